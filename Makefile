@@ -1,0 +1,36 @@
+# Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DATA_DIR ?= data/synthetic
+CONFIG ?= cpu_short
+
+.PHONY: venv data train test lint bench clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(DATA_DIR)/stats/time_means.npy: | $(VENV)/.installed
+	$(PY) -m utils.synthetic_data --out $(DATA_DIR)
+
+data: $(DATA_DIR)/stats/time_means.npy
+
+train: venv data
+	DATA_DIR=$(DATA_DIR) $(PY) train.py --config=$(CONFIG)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv data
+	DATA_DIR=$(DATA_DIR) $(PY) -m bench.bench_step --config=cpu_short
+
+clean:
+	rm -rf $(VENV) $(DATA_DIR)

@@ -1,0 +1,190 @@
+"""Vision Transformer for 6-hour weather forecasting (the tutorial's model).
+
+(B, C, H, W) fields -> patch embedding -> pre-norm transformer blocks -> linear head ->
+unpatchify back to (B, C, H, W). The block's layers come from `layer_factory` so that the
+model-parallel code can swap in distributed versions without touching this file's logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens, via a strided convolution."""
+
+    def __init__(self, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.grid = (img_size[0] // patch_size, img_size[1] // patch_size)
+        self.num_patches = self.grid[0] * self.grid[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention; q, k and v come from one fused matmul."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, heads, N, head_dim)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class SerialLayers:
+    """Layer factory for one device; `distributed.layers` provides the parallel one."""
+
+    def attention(self, dim: int, num_heads: int, dropout: float) -> nn.Module:
+        return Attention(dim, num_heads, dropout)
+
+    def mlp(self, dim: int, hidden_dim: int, dropout: float) -> nn.Module:
+        return MLP(dim, hidden_dim, dropout)
+
+    def norm(self, dim: int) -> nn.Module:
+        return nn.LayerNorm(dim)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float, layers: Any):
+        super().__init__()
+        self.norm1 = layers.norm(dim)
+        self.attn = layers.attention(dim, num_heads, dropout)
+        self.norm2 = layers.norm(dim)
+        self.mlp = layers.mlp(dim, int(dim * mlp_ratio), dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(
+        self,
+        img_size: tuple[int, int] = (360, 720),
+        patch_size: int = 8,
+        in_chans: int = 20,
+        out_chans: int = 20,
+        embed_dim: int = 384,
+        depth: int = 12,
+        num_heads: int = 8,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        layers: Any = None,
+    ):
+        super().__init__()
+        self.img_size = tuple(img_size)
+        self.patch_size = patch_size
+        self.out_chans = out_chans
+        layers = layers or SerialLayers()
+        self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim)
+        self.h, self.w = self.patch_embed.grid
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
+        self.pos_drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, dropout, layers) for _ in range(depth)
+        )
+        self.norm = layers.norm(embed_dim)
+        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
+        self.apply(_init_weights)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> normalised tokens (B, N, D)."""
+        x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, C*p*p) -> (B, C, H, W)."""
+        B, p, C = x.shape[0], self.patch_size, self.out_chans
+        x = x.view(B, self.h, self.w, p, p, C)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, self.h * p, self.w * p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.unpatchify(self.head(self.forward_tokens(x)))
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,
+                     out_chans: int, num_tokens: int, mlp_ratio: float = 4.0) -> int:
+    """Closed-form parameter count of `VisionTransformer` (checked against the module in tests)."""
+    D, p, hidden = embed_dim, patch_size, int(embed_dim * mlp_ratio)
+    patch = in_chans * p * p * D + D
+    block = 2 * 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + (D * hidden + hidden) + (hidden * D + D)
+    head = D * out_chans * p * p + out_chans * p * p
+    return patch + num_tokens * D + depth * block + 2 * D + head
+
+
+def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_chans: int,
+                              out_chans: int, embed_dim: int, depth: int,
+                              mlp_ratio: float = 4.0) -> int:
+    """Analytic matmul FLOPs of one training sample (forward + backward = 3 x forward).
+
+    A (m x k) @ (k x n) matmul is 2*m*k*n FLOPs. Per sample with N tokens and width D:
+      patch embed  2 N (C p^2) D        q,k,v   2 N D (3D)      proj  2 N D D
+      scores QK^T  2 N N D              weights x V  2 N N D
+      MLP          2 * 2 N D (r D)      head    2 N D (C_out p^2)
+    Norms, softmax, GELU and adds are ignored (memory bound, < 2% of the FLOPs here).
+    """
+    N = (img_size[0] // patch_size) * (img_size[1] // patch_size)
+    D, hidden = embed_dim, int(embed_dim * mlp_ratio)
+    patch = 2 * N * in_chans * patch_size**2 * D
+    block = 2 * N * D * 3 * D + 2 * N * D * D + 2 * 2 * N * N * D + 2 * 2 * N * D * hidden
+    head = 2 * N * D * out_chans * patch_size**2
+    return 3 * (patch + depth * block + head)
+
+
+def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
+    """Build the model from a config (`YParams`)."""
+    return VisionTransformer(
+        img_size=tuple(params.img_size),
+        patch_size=params.patch_size,
+        in_chans=params.n_in_channels,
+        out_chans=params.n_out_channels,
+        embed_dim=params.embed_dim,
+        depth=params.depth,
+        num_heads=params.num_heads,
+        dropout=params.dropout,
+        layers=layers,
+    )
+
+

@@ -1,0 +1,56 @@
+# The part the submit_pm*.sh scripts share; sourced inside the batch job from the
+# repository root. It loads the site preset (site/load.sh), creates LOG_DIR, prints what
+# will run, and defines `run_tasks SCRIPT [ARGS...]`, which starts one task per SLURM task:
+#
+#   srun [SITE_SRUN_ARGS] [SITE_LAUNCHER] bash -c '<task>' SCRIPT ARGS...
+#
+# where each task sources export_DDP_vars.sh (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+# MASTER_PORT from the SLURM task variables) and then execs `$PYTHON SCRIPT ARGS...`.
+#
+# Profiling: ENABLE_PROFILING=1 [PROFILE_OUTPUT=name] runs every task under
+#   nsys profile -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi --capture-range-end=stop
+# when nsys exists where the task runs (the training script opens and closes the capture
+# range with torch.cuda.profiler.start()/stop()). Without nsys the task gets
+# TORCH_PROFILER_OUTPUT=$LOG_DIR/<name> instead and the training script writes a
+# torch.profiler trace there. With several tasks <name> gets a _rank<RANK> suffix.
+
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export REPO_DIR
+# shellcheck source=site/load.sh
+source "$REPO_DIR/site/load.sh" || exit 1
+mkdir -p "$LOG_DIR" || exit 1
+
+# A fast interface for the rendezvous: this batch shell runs on the first node, where
+# rank 0 runs, so its address on SITE_MASTER_IFACE is the master address.
+if [ -n "${SITE_MASTER_IFACE:-}" ]; then
+    _addr=$(ip -4 -o addr show dev "$SITE_MASTER_IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+    if [ -n "$_addr" ]; then export DDP_MASTER_ADDR="$_addr"; fi
+    unset _addr
+fi
+
+# What one task runs (single quotes: expanded by the task's bash, inside any container).
+_TASK='
+source "$REPO_DIR/export_DDP_vars.sh" || exit 1
+if [ -n "${SITE_CUDA_VISIBLE_DEVICES:-}" ]; then export CUDA_VISIBLE_DEVICES="$SITE_CUDA_VISIBLE_DEVICES"; fi
+if [ "$RANK" = 0 ] || [ "$WORLD_SIZE" -le 16 ]; then
+    echo "task RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT host=$(hostname) node=${SLURM_NODEID:-?}"
+fi
+if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
+    _out="$LOG_DIR/${PROFILE_OUTPUT:-profile}"
+    if [ "$WORLD_SIZE" -gt 1 ]; then _out="${_out}_rank$RANK"; fi
+    if command -v nsys >/dev/null 2>&1; then
+        exec nsys profile -o "$_out" --trace=cuda,nvtx,osrt -c cudaProfilerApi \
+            --capture-range-end=stop "$PYTHON" "$@"
+    fi
+    export TORCH_PROFILER_OUTPUT="$_out"   # honoured by the training script
+fi
+exec "$PYTHON" "$@"
+'
+
+run_tasks() {
+    echo "site=$SITE job=${SLURM_JOB_ID:-} nodes=${SLURM_JOB_NUM_NODES:-?} tasks=${SLURM_NTASKS:-?}" \
+         "python=$PYTHON data=$DATA_DIR logs=$LOG_DIR"
+    echo "+ srun $SITE_SRUN_ARGS $SITE_LAUNCHER $PYTHON $*"
+    # shellcheck disable=SC2086  # SITE_SRUN_ARGS / SITE_LAUNCHER are word lists
+    srun -u --kill-on-bad-exit=1 $SITE_SRUN_ARGS $SITE_LAUNCHER bash -c "$_TASK" task "$@"
+}

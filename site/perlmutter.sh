@@ -1,0 +1,44 @@
+# Site preset: NERSC Perlmutter GPU nodes (4x A100, 64 cores), the tutorial's settings.
+# Same variables as site/generic.sh (the commented template); values already in the
+# environment win over the defaults below.
+#
+# Use (once per login shell, then the tutorial's command lines work verbatim):
+#     source site/perlmutter.sh
+#     sbatch -N 4 submit_pm_dp.sh --config=bs256_opt
+# or, without changing the shell (also pre-stages the container image on the nodes):
+#     ./sbatch_site.sh -N 4 submit_pm_dp.sh --config=bs256_opt
+
+export SITE=perlmutter
+
+# ---- 1. Submission options (sbatch reads SBATCH_* from the environment)
+export SBATCH_CONSTRAINT="${SBATCH_CONSTRAINT:-gpu}"      # -C gpu
+export SBATCH_QOS="${SBATCH_QOS:-regular}"                 # -q regular (whole nodes)
+export SBATCH_GPUS_PER_NODE="${SBATCH_GPUS_PER_NODE:-4}"   # --gpus-per-node 4
+# -A: your project is charged unless you name one, e.g. the event's training account:
+#     export SBATCH_ACCOUNT=<project>  (before or after sourcing this file)
+# Checkpoint/requeue before the time limit, when the training script handles the signal:
+#     export SBATCH_SIGNAL=USR1@120 SBATCH_REQUEUE=1
+# Options with no SBATCH_* variable; passed by sbatch_site.sh only. --image/--module make
+# Shifter pull the image once per node at job start instead of at task launch.
+_image="${SITE_IMAGE:-nersc/pytorch:ngc-23.07-v0}"
+_modules="${SITE_SHIFTER_MODULES:-gpu,nccl-2.18}"
+export SITE_SBATCH_ARGS="${SITE_SBATCH_ARGS:---image=$_image --module=$_modules}"
+
+# ---- 2. Run time (read inside the job by site/common.sh)
+export SITE_LAUNCHER="${SITE_LAUNCHER:-shifter --image=$_image --module=$_modules}"
+# 4 tasks per node x 32 logical CPUs, each task bound to its cores.
+export SITE_SRUN_ARGS="${SITE_SRUN_ARGS:---cpus-per-task=32}"
+export SLURM_CPU_BIND="${SLURM_CPU_BIND:-cores}"
+# Rendezvous over the Slingshot interface.
+export SITE_MASTER_IFACE="${SITE_MASTER_IFACE:-hsn0}"
+# Reversed GPU order: with cores bound as above, local rank i then runs on the GPU nearest
+# to its CPU cores (GPU 3 is closest to the first NUMA domain).
+export SITE_CUDA_VISIBLE_DEVICES="${SITE_CUDA_VISIBLE_DEVICES:-3,2,1,0}"
+export PYTHON="${PYTHON:-python}"   # the container's python
+export DATA_DIR="${DATA_DIR:-${SCRATCH:-$HOME}/vit-era5/data}"
+export LOG_DIR="${LOG_DIR:-${SCRATCH:-$HOME}/vit-era5/logs}"
+# Libfabric/NCCL settings for Slingshot, and no HDF5 file locks on Lustre.
+export FI_MR_CACHE_MONITOR="${FI_MR_CACHE_MONITOR:-userfaultfd}"
+export NCCL_NET_GDR_LEVEL="${NCCL_NET_GDR_LEVEL:-PHB}"
+export HDF5_USE_FILE_LOCKING=FALSE
+unset _image _modules

@@ -1,0 +1,155 @@
+"""PyTorch data loader for the ERA5 layout: (input at t, target at t + dt) pairs.
+
+<data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
+(n_samples, channels, H, W); samples are 6 hours apart. Fields are normalised with the
+global per-channel means and standard deviations and cropped to `img_size`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class DataError(ValueError):
+    """Bad data directory, file layout or statistics; the message is one line."""
+
+
+def list_year_files(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        raise DataError(f"data directory {path} does not exist "
+                        "(make the synthetic data with `python -m utils.synthetic_data`, "
+                        "or set DATA_DIR)")
+    files = sorted(glob.glob(os.path.join(path, "*.h5")))
+    if not files:
+        raise DataError(f"no .h5 files in {path}")
+    return files
+
+
+def load_stats(path: str, channels: int, name: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise DataError(f"statistics file {path} not found")
+    stats = np.load(path)
+    if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
+        raise DataError(f"{name} {path} has shape {stats.shape}, "
+                        f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
+    return stats[:, :channels].astype(np.float32)
+
+
+class ERA5Dataset(Dataset):
+    """Sample i -> (normalised fields at t, normalised fields at t + dt), each (C, H, W)."""
+
+    def __init__(self, params: Any, location: str, train: bool):
+        self.location = location
+        self.train = train
+        self.dt = int(params.dt)
+        self.n_channels = int(params.n_in_channels)
+        self.img_size = tuple(int(s) for s in params.img_size)
+        self.files = list_year_files(location)
+        self.samples_per_file = []
+        for path in self.files:
+            self.samples_per_file.append(self._check_file(path))
+        self.offsets = np.cumsum([0] + self.samples_per_file)
+        self.n_samples = int(self.offsets[-1])
+        limit = params.limit_nsamples if train else params.limit_nsamples_val
+        if limit is not None:
+            self.n_samples = min(self.n_samples, int(limit))
+        if self.n_samples <= 0:
+            raise DataError(f"{location} has no (t, t+{self.dt}) sample pairs")
+        means = load_stats(params.global_means_path, self.n_channels, "global means")
+        stds = load_stats(params.global_stds_path, self.n_channels, "global stds")
+        if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
+            raise DataError(f"global means/stds must be (1, {self.n_channels}, 1, 1), got "
+                            f"{means.shape} and {stds.shape}")
+        self.means, self.stds = means[0], stds[0]  # (C, 1, 1)
+        self._handles: list[h5py.File | None] = [None] * len(self.files)
+        self._pid = None
+
+    def _check_file(self, path: str) -> int:
+        try:
+            with h5py.File(path, "r") as f:
+                if "fields" not in f:
+                    raise DataError(f"{path} has no dataset 'fields' (found: {list(f.keys())})")
+                shape = f["fields"].shape
+        except OSError as e:
+            raise DataError(f"{path} is not a readable HDF5 file: {e}") from None
+        if len(shape) != 4:
+            raise DataError(f"{path}: 'fields' has shape {shape}, expected (n, C, H, W)")
+        n, c, h, w = shape
+        if c != self.n_channels:
+            raise DataError(f"{path}: 'fields' has {c} channels, config n_in_channels is "
+                            f"{self.n_channels}")
+        if h < self.img_size[0] or w < self.img_size[1]:
+            raise DataError(f"{path}: fields are {h}x{w}, smaller than img_size "
+                            f"{self.img_size[0]}x{self.img_size[1]}")
+        return max(n - self.dt, 0)
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (file index, index within the file)."""
+        if not 0 <= index < self.n_samples:
+            raise IndexError(f"sample {index} outside [0, {self.n_samples})")
+        file_idx = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        return file_idx, index - int(self.offsets[file_idx])
+
+    def _fields(self, file_idx: int):
+        # HDF5 handles must not cross fork(): open lazily, once per worker process.
+        if self._pid != os.getpid():
+            self._handles, self._pid = [None] * len(self.files), os.getpid()
+        if self._handles[file_idx] is None:
+            self._handles[file_idx] = h5py.File(self.files[file_idx], "r")
+        return self._handles[file_idx]["fields"]
+
+    def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw (un-normalised, cropped) input and target arrays."""
+        file_idx, local = self.locate(index)
+        H, W = self.img_size
+        fields = self._fields(file_idx)
+        inp = fields[local, :, :H, :W]
+        tar = fields[local + self.dt, :, :H, :W]
+        return inp, tar
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inp, tar = self.read_pair(index)
+        inp = (inp - self.means) / self.stds
+        tar = (tar - self.means) / self.stds
+        return torch.from_numpy(inp), torch.from_numpy(tar)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handles"], state["_pid"] = [None] * len(self.files), None
+        return state
+
+
+def get_data_loader(params: Any, location: str, distributed: bool, train: bool,
+                    num_replicas: int = 1, rank: int = 0):
+    """Returns (loader, dataset, sampler).
+
+    The sampler is always a seeded `DistributedSampler` (one replica when not distributed)
+    so that the sample order depends only on (seed, epoch) and data-parallel ranks read
+    disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
+    """
+    dataset = ERA5Dataset(params, location, train)
+    if not distributed:
+        num_replicas, rank = 1, 0
+    sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=train,
+                                 seed=int(params.get("seed", 0) or 0), drop_last=train)
+    workers = int(params.num_data_workers)
+    loader = DataLoader(
+        dataset,
+        batch_size=int(params.local_batch_size),
+        sampler=sampler,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=train,
+    )
+    return loader, dataset, sampler
