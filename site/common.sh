@@ -9,10 +9,11 @@
 #
 # Profiling: ENABLE_PROFILING=1 [PROFILE_OUTPUT=name] runs every task under
 #   nsys profile -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi --capture-range-end=stop
-# when nsys exists where the task runs (the training script opens and closes the capture
-# range with torch.cuda.profiler.start()/stop()). Without nsys the task gets
-# TORCH_PROFILER_OUTPUT=$LOG_DIR/<name> instead and the training script writes a
-# torch.profiler trace there. With several tasks <name> gets a _rank<RANK> suffix.
+# when nsys exists where the task runs (<name>_rank<RANK> with several tasks), and exports
+# PROFILE_WITH_NSYS=1 so that the training script (utils/profiling.py) opens and closes the
+# capture range with torch.cuda.profiler.start()/stop() around its profiled epoch. Without
+# nsys the run is not wrapped; the task gets TORCH_PROFILER_OUTPUT=$LOG_DIR instead, the
+# directory where the training script writes its torch.profiler traces (<name>_rank<RANK>.*).
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export REPO_DIR
@@ -35,15 +36,16 @@ if [ -n "${SITE_CUDA_VISIBLE_DEVICES:-}" ]; then export CUDA_VISIBLE_DEVICES="$S
 if [ "$RANK" = 0 ] || [ "$WORLD_SIZE" -le 16 ]; then
     echo "task RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT host=$(hostname) node=${SLURM_NODEID:-?}"
 fi
-if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
-    _out="$LOG_DIR/${PROFILE_OUTPUT:-profile}"
-    if [ "$WORLD_SIZE" -gt 1 ]; then _out="${_out}_rank$RANK"; fi
+case "${ENABLE_PROFILING:-0}" in ""|0|false|False) ;; *)
     if command -v nsys >/dev/null 2>&1; then
+        _out="$LOG_DIR/${PROFILE_OUTPUT:-profile}"
+        if [ "$WORLD_SIZE" -gt 1 ]; then _out="${_out}_rank$RANK"; fi
+        export PROFILE_WITH_NSYS=1
         exec nsys profile -o "$_out" --trace=cuda,nvtx,osrt -c cudaProfilerApi \
             --capture-range-end=stop "$PYTHON" "$@"
     fi
-    export TORCH_PROFILER_OUTPUT="$_out"   # honoured by the training script
-fi
+    export TORCH_PROFILER_OUTPUT="$LOG_DIR"   # trace directory used by the training script
+esac
 exec "$PYTHON" "$@"
 '
 

@@ -29,6 +29,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     p.add_argument("--noddp", action="store_true",
                    help="skip gradient all-reduce (wrong training; measures its cost)")
+    # Checkpoints and preemption
+    p.add_argument("--checkpoint_interval", type=int, default=None,
+                   help="save every N iterations (and always at the end); 0 = only at the end")
+    p.add_argument("--checkpoint_keep", type=int, default=None, help="keep the last K files")
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="resume from a checkpoint file, or from the run's newest ('auto')")
+    p.add_argument("--requeue", action="store_true",
+                   help="on SIGUSR1/SIGTERM: checkpoint, then `scontrol requeue` this job")
     return p
 
 
@@ -52,7 +60,7 @@ def load_params(args: argparse.Namespace) -> YParams:
     """YAML section + command-line overrides (a flag wins over the config)."""
     params = YParams(args.yaml_config, args.config)
     for key in ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed",
-                "tp", "cp", "parallel_order"):
+                "tp", "cp", "parallel_order", "checkpoint_interval", "checkpoint_keep"):
         value = getattr(args, key, None)
         if value is not None:
             params[key] = value

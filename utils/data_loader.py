@@ -8,6 +8,7 @@ global per-channel means and standard deviations and cropped to `img_size`.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 from typing import Any
 
@@ -129,19 +130,43 @@ class ERA5Dataset(Dataset):
         return state
 
 
+class ShardSampler(DistributedSampler):
+    """`DistributedSampler` that can start an epoch part-way, to resume mid-epoch.
+
+    The order depends only on (seed, epoch): a resumed run skips the batches already done
+    and then sees exactly the samples the uninterrupted run would have seen.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        self.batch_size = batch_size
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip_batches * self.batch_size
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.skip, 0)
+
+
 def get_data_loader(params: Any, location: str, distributed: bool, train: bool,
                     num_replicas: int = 1, rank: int = 0):
     """Returns (loader, dataset, sampler).
 
-    The sampler is always a seeded `DistributedSampler` (one replica when not distributed)
+    The sampler is always a seeded `ShardSampler` (one replica when not distributed)
     so that the sample order depends only on (seed, epoch) and data-parallel ranks read
     disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
     """
     dataset = ERA5Dataset(params, location, train)
     if not distributed:
         num_replicas, rank = 1, 0
-    sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=train,
-                                 seed=int(params.get("seed", 0) or 0), drop_last=train)
+    sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
+                           rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
+                           drop_last=train)
     workers = int(params.num_data_workers)
     loader = DataLoader(
         dataset,

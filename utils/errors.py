@@ -6,12 +6,13 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+from utils.checkpoint import CheckpointError
 from utils.data_loader import DataError
 from utils.launch_env import LaunchError
 from utils.YParams import ConfigError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, LaunchError,
-                                                FloatingPointError)
+                                                CheckpointError, FloatingPointError)
 EXIT_USER_ERROR = 2
 
 

@@ -1,0 +1,232 @@
+"""Splitting, collectives with uneven shapes, and the parameter-annotation scheme.
+
+Collectives with gloo (torch 2.13): `all_gather_into_tensor` / `reduce_scatter_tensor`
+(renamed `all_gather_single` / `reduce_scatter_single`) work on CPU, but, like the list
+versions, only for equal shapes on every rank. Uneven splits (7 tokens over 2 ranks) are
+therefore padded to the largest chunk, exchanged with the single-tensor collective, and
+trimmed. The same code runs unchanged on NCCL.
+
+Parameter annotations (set with `annotate`, read by `sync_shared_gradients`):
+    param.sharded_dims_mp  per tensor dim, the group it is split over, or None
+    param.shard_blocks     the sharded dim is a concatenation of this many equal blocks, each
+                           split separately (the fused qkv: [q | k | v])
+    param.is_shared_mp     groups over which the parameter is replicated (identical copies)
+    param.partial_grad_mp  groups over which each rank's gradient is only a *partial sum*,
+                           because the ranks apply the parameter to different tokens (cp).
+                           Always a subset of is_shared_mp.
+Every model-parallel group must either shard or share every parameter: `check_annotations`
+enforces it and `sync_shared_gradients` refuses to run on a model that breaks it.
+
+Why tp is not in partial_grad_mp of replicated parameters (norms, row-parallel biases): the
+Megatron conjugate pair copy_to/reduce_from all-reduces the activation gradient over tp where
+the tensor-parallel region begins, so every tp rank already holds the full gradient of its
+replicated parameters. Summing it over tp again would multiply it by tp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from utils import comm
+
+MP_GROUPS = ("tp", "cp")
+
+# torch 2.13 renamed the single-tensor collectives; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def compute_split_shapes(size: int, num_chunks: int) -> list[int]:
+    """Sizes of `num_chunks` nearly equal chunks of `size`; the first ones are one bigger.
+
+    compute_split_shapes(4050, 4) == [1013, 1013, 1012, 1012]; (7, 2) -> [4, 3].
+    """
+    if num_chunks < 1 or size < num_chunks:
+        raise ValueError(f"cannot split {size} elements into {num_chunks} non-empty chunks")
+    base, extra = divmod(size, num_chunks)
+    return [base + 1 if i < extra else base for i in range(num_chunks)]
+
+
+def split_tensor_along_dim(x: torch.Tensor, dim: int, num_chunks: int) -> list[torch.Tensor]:
+    """Views of `x` split along `dim` into `compute_split_shapes` chunks."""
+    return list(torch.split(x, compute_split_shapes(x.shape[dim], num_chunks), dim=dim))
+
+
+def exchange_sizes(local: int, group_name: str, device: torch.device) -> list[int]:
+    """Every rank's `local` integer (a small all-gather and a host sync: avoid in hot loops)."""
+    world = comm.get_size(group_name)
+    buf = torch.empty(world, dtype=torch.int64, device=device)
+    _all_gather_single(buf, torch.tensor([local], device=device), group=comm.get_group(group_name))
+    return buf.tolist()
+
+
+def all_gather_along_dim(x: torch.Tensor, dim: int, group_name: str,
+                         sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`; `sizes` are the ranks' lengths along `dim`
+    (exchanged when not given). Not differentiable: see distributed.mappings."""
+    world = comm.get_size(group_name)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    sizes = list(sizes) if sizes is not None else exchange_sizes(x.shape[dim], group_name,
+                                                                 x.device)
+    if len(sizes) != world or sizes[comm.get_rank(group_name)] != x.shape[dim]:
+        raise ValueError(f"sizes {sizes} do not match the local length {x.shape[dim]} "
+                         f"on {group_name} rank {comm.get_rank(group_name)}")
+    width = max(sizes)
+    local = x.movedim(dim, 0)
+    if local.shape[0] < width:
+        local = torch.cat([local, local.new_zeros((width - local.shape[0], *local.shape[1:]))])
+    buf = local.new_empty((world * width, *local.shape[1:]))
+    _all_gather_single(buf, local.contiguous(), group=comm.get_group(group_name))
+    chunks = [buf[r * width: r * width + n] for r, n in enumerate(sizes)]
+    return torch.cat(chunks).movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group_name: str,
+                             sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's chunk along `dim` (chunk lengths `sizes`,
+    default `compute_split_shapes`). Not differentiable: see distributed.mappings."""
+    world = comm.get_size(group_name)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    sizes = list(sizes) if sizes is not None else compute_split_shapes(x.shape[dim], world)
+    if len(sizes) != world or sum(sizes) != x.shape[dim]:
+        raise ValueError(f"sizes {sizes} do not split length {x.shape[dim]} over {world} ranks")
+    width = max(sizes)
+    full = x.movedim(dim, 0)
+    buf = full.new_zeros((world * width, *full.shape[1:]))
+    for r, chunk in enumerate(torch.split(full, sizes)):
+        buf[r * width: r * width + sizes[r]] = chunk
+    out = buf.new_empty((width, *full.shape[1:]))
+    _reduce_scatter_single(out, buf, group=comm.get_group(group_name))
+    return out[: sizes[comm.get_rank(group_name)]].movedim(0, dim).contiguous()
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """In-place sum over the group (returns `x`)."""
+    if comm.get_size(group_name) > 1:
+        dist.all_reduce(x, group=comm.get_group(group_name))
+    return x
+
+
+# ----------------------------------------------------------------------------- annotations
+
+def annotate(param: torch.Tensor, shared: Iterable[str] = (), partial_grad: Iterable[str] = (),
+             sharded_dims: Sequence[str | None] | None = None, blocks: int = 1) -> None:
+    """Record how `param` is laid out over the model-parallel groups (see module docstring)."""
+    param.is_shared_mp = list(shared)
+    param.partial_grad_mp = list(partial_grad)
+    param.sharded_dims_mp = list(sharded_dims) if sharded_dims is not None else [None] * param.dim()
+    param.shard_blocks = blocks
+
+
+def annotation_errors(model: nn.Module) -> list[str]:
+    """Every way in which `model`'s parameters break the annotation rules (empty if none)."""
+    errors = []
+    for name, p in model.named_parameters():
+        if not all(hasattr(p, a) for a in ("is_shared_mp", "partial_grad_mp", "sharded_dims_mp")):
+            errors.append(f"{name}: not annotated (use distributed.helpers.annotate)")
+            continue
+        sharded = [g for g in p.sharded_dims_mp if g is not None]
+        shared, partial = set(p.is_shared_mp), set(p.partial_grad_mp)
+        if len(p.sharded_dims_mp) != p.dim():
+            errors.append(f"{name}: sharded_dims_mp has {len(p.sharded_dims_mp)} entries "
+                          f"for a {p.dim()}-d tensor")
+        if sorted(sharded + list(shared)) != sorted(MP_GROUPS):
+            errors.append(f"{name}: each of {MP_GROUPS} must shard or share it exactly once "
+                          f"(sharded {sharded}, shared {sorted(shared)})")
+        if not partial <= shared:
+            errors.append(f"{name}: partial_grad_mp {sorted(partial)} is not within "
+                          f"is_shared_mp {sorted(shared)}")
+    return errors
+
+
+def check_annotations(model: nn.Module) -> None:
+    errors = annotation_errors(model)
+    if errors:
+        raise RuntimeError("model-parallel annotations are broken:\n  " + "\n  ".join(errors))
+
+
+def sync_shared_gradients(model: nn.Module) -> None:
+    """Sum the partial gradients of replicated parameters over their partial_grad_mp groups.
+
+    The one place where model-parallel gradient reductions happen. Call it after
+    `loss.backward()` and before `optimizer.step()`. It commutes with DDP's average over dp
+    (a sum over cp and a mean over dp are both linear), so it can run after DDP's backward.
+    A no-op on a model that is not model-parallel; an error if any parameter is unannotated.
+    """
+    if comm.get_size("tp-cp") == 1:
+        return
+    check_annotations(model)
+    buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        for group_name in p.partial_grad_mp:
+            if comm.get_size(group_name) > 1:
+                buckets.setdefault((group_name, p.grad.dtype), []).append(p.grad)
+    for (group_name, _), grads in buckets.items():
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)  # one message
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(reduced.view_as(g))
+
+
+@torch.no_grad()
+def sync_shared_params(model: nn.Module) -> None:
+    """Make replicated parameters bitwise identical: broadcast from each group's first rank.
+
+    Call once after building the model if ranks may have initialised replicas differently
+    (e.g. different seeds); DDP does the same over dp when it wraps the model.
+    """
+    if comm.get_size("tp-cp") == 1:
+        return
+    check_annotations(model)
+    for group_name in MP_GROUPS:
+        if comm.get_size(group_name) == 1:
+            continue
+        group = comm.get_group(group_name)
+        src = dist.get_global_rank(group, 0)
+        for p in model.parameters():
+            if group_name in p.is_shared_mp:
+                dist.broadcast(p.data, src=src, group=group)
+
+
+# ------------------------------------------------------------------- sharding and gathering
+
+def shard_tensor(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the serial tensor `full`, laid out like `param`."""
+    out = full
+    for dim, group_name in enumerate(param.sharded_dims_mp):
+        if group_name is None or comm.get_size(group_name) == 1:
+            continue
+        world, rank, blocks = comm.get_size(group_name), comm.get_rank(group_name), \
+            param.shard_blocks
+        if out.shape[dim] % (blocks * world):
+            raise ValueError(f"dim {dim} of size {out.shape[dim]} does not split into "
+                             f"{blocks} blocks x {world} {group_name} ranks")
+        per_block = out.shape[dim] // blocks
+        pieces = [b.chunk(world, dim=dim)[rank] for b in out.split(per_block, dim=dim)]
+        out = torch.cat(pieces, dim=dim)
+    return out.contiguous()
+
+
+def gather_tensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Inverse of `shard_tensor`: the serial-layout tensor from every rank's `local` shard
+    (for the parameter itself, its gradient or an optimizer state of the same shape)."""
+    out = local
+    for dim, group_name in enumerate(getattr(param, "sharded_dims_mp", [])):
+        if group_name is None or comm.get_size(group_name) == 1:
+            continue
+        world, blocks = comm.get_size(group_name), param.shard_blocks
+        gathered = all_gather_along_dim(out, dim, group_name)
+        # rank-major [r0: b0 b1 b2 | r1: b0 b1 b2] -> block-major [b0: r0 r1 | b1: r0 r1 | ...]
+        ranks = gathered.chunk(world, dim=dim)
+        parts = [ranks[r].chunk(blocks, dim=dim)[b] for b in range(blocks) for r in range(world)]
+        out = torch.cat(parts, dim=dim)
+    return out

@@ -1,0 +1,159 @@
+"""Differentiable collectives: each forward has the backward that makes autograd exact.
+
+The pairs are conjugate: the backward of a forward collective is its adjoint.
+
+    function                            forward               backward
+    copy_to_parallel_region             identity              all-reduce (sum)
+    reduce_from_parallel_region         all-reduce (sum)      identity
+    scatter_to_parallel_region          keep my chunk         all-gather
+    gather_from_parallel_region         all-gather            keep my chunk
+    all_gather_from_parallel_region     all-gather            reduce-scatter (sum)
+    reduce_scatter_to_parallel_region   reduce-scatter (sum)  all-gather
+
+gather_from_... vs all_gather_from_...: after gather_from the ranks compute the *same* thing
+with the gathered tensor (e.g. the head on all tokens), so each already holds the full
+gradient and keeps its chunk. After all_gather_from they compute *different* things with it
+(cp attention: my queries against everyone's keys), so the gradients are summed.
+
+Chunks along `dim` follow `helpers.compute_split_shapes` (uneven allowed, first ones bigger);
+gathers take the per-rank lengths `sizes` when known (exchanged otherwise). Every function is
+the identity when the group has size 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from distributed.helpers import (
+    all_gather_along_dim,
+    all_reduce,
+    compute_split_shapes,
+    exchange_sizes,
+    reduce_scatter_along_dim,
+)
+from utils import comm
+
+
+def _my_chunk(x: torch.Tensor, dim: int, group_name: str, sizes: Sequence[int]) -> torch.Tensor:
+    return torch.split(x, list(sizes), dim=dim)[comm.get_rank(group_name)].contiguous()
+
+
+class _CopyToParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return all_reduce(grad.contiguous().clone(), ctx.group_name), None
+
+
+class _ReduceFromParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return all_reduce(x.contiguous().clone(), group_name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class _ScatterToParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+        ctx.dim, ctx.group_name = dim, group_name
+        ctx.sizes = compute_split_shapes(x.shape[dim], comm.get_size(group_name))
+        return _my_chunk(x, dim, group_name, ctx.sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return all_gather_along_dim(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None
+
+
+class _GatherFromParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str,
+                sizes: Sequence[int] | None) -> torch.Tensor:
+        if sizes is None:
+            sizes = exchange_sizes(x.shape[dim], group_name, x.device)
+        ctx.dim, ctx.group_name, ctx.sizes = dim, group_name, list(sizes)
+        return all_gather_along_dim(x, dim, group_name, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _my_chunk(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None, None
+
+
+class _AllGatherFromParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str,
+                sizes: Sequence[int] | None) -> torch.Tensor:
+        if sizes is None:
+            sizes = exchange_sizes(x.shape[dim], group_name, x.device)
+        ctx.dim, ctx.group_name, ctx.sizes = dim, group_name, list(sizes)
+        return all_gather_along_dim(x, dim, group_name, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return reduce_scatter_along_dim(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None, None
+
+
+class _ReduceScatterToParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+        ctx.dim, ctx.group_name = dim, group_name
+        ctx.sizes = compute_split_shapes(x.shape[dim], comm.get_size(group_name))
+        return reduce_scatter_along_dim(x, dim, group_name, ctx.sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return all_gather_along_dim(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Enter a parallel region with a replicated input: identity / all-reduce of the grad."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _CopyToParallelRegion.apply(x, group_name)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Leave a parallel region by summing the ranks' partial results / identity."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _ReduceFromParallelRegion.apply(x, group_name)
+
+
+def scatter_to_parallel_region(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated tensor / all-gather of the grad."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _ScatterToParallelRegion.apply(x, dim % x.dim(), group_name)
+
+
+def gather_from_parallel_region(x: torch.Tensor, dim: int, group_name: str,
+                                sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather chunks into a replicated tensor / keep this rank's chunk of the grad."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _GatherFromParallelRegion.apply(x, dim % x.dim(), group_name, sizes)
+
+
+def all_gather_from_parallel_region(x: torch.Tensor, dim: int, group_name: str,
+                                    sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather chunks that every rank uses differently / reduce-scatter (sum) of the grad."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _AllGatherFromParallelRegion.apply(x, dim % x.dim(), group_name, sizes)
+
+
+def reduce_scatter_to_parallel_region(x: torch.Tensor, dim: int,
+                                      group_name: str) -> torch.Tensor:
+    """Sum partial results and keep this rank's chunk / all-gather of the grad."""
+    if comm.get_size(group_name) == 1:
+        return x
+    return _ReduceScatterToParallelRegion.apply(x, dim % x.dim(), group_name)

@@ -1,0 +1,82 @@
+"""Rank layout of a tp x cp x dp job: which global ranks form each process group.
+
+Pure integer logic (no torch), so it can be tested and reasoned about without processes.
+
+The order string lists the axes from fastest- to slowest-varying. With the default
+"tp-cp-dp" and tp=2, cp=2, dp=2, global rank r has coordinates
+    tp = r % 2,   cp = (r // 2) % 2,   dp = r // 4
+so the tensor-parallel partners (the most communication-hungry group) are adjacent ranks,
+i.e. on the same node / NVLink domain.
+"""
+
+from __future__ import annotations
+
+import math
+
+AXES = ("tp", "cp", "dp")
+
+
+class RankGenerator:
+    """Maps global ranks to (tp, cp, dp) coordinates and enumerates process groups."""
+
+    def __init__(self, tp: int, cp: int, dp: int, order: str = "tp-cp-dp"):
+        sizes = {"tp": tp, "cp": cp, "dp": dp}
+        for axis, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis} size must be a positive integer, got {size!r}")
+        self.order = parse_axes(order)
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"order {order!r} must name each of tp, cp, dp exactly once")
+        self.sizes = sizes
+        self.world_size = tp * cp * dp
+        # stride of each axis in the global rank: product of the sizes of faster axes
+        self.strides: dict[str, int] = {}
+        stride = 1
+        for axis in self.order:
+            self.strides[axis] = stride
+            stride *= sizes[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Global rank -> {"tp": i, "cp": j, "dp": k}."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        return {a: (rank // self.strides[a]) % self.sizes[a] for a in AXES}
+
+    def rank(self, coords: dict[str, int]) -> int:
+        """Inverse of `coords`."""
+        return sum(coords[a] * self.strides[a] for a in AXES)
+
+    def group_size(self, name: str) -> int:
+        return math.prod(self.sizes[a] for a in parse_axes(name))
+
+    def get_ranks(self, name: str) -> list[list[int]]:
+        """All groups along the axes in `name` ("tp", "cp", "dp", "tp-cp", ...).
+
+        A group is the set of ranks whose coordinates agree on every axis *not* in `name`.
+        Each group is sorted by global rank (its position is the rank inside the group);
+        groups are listed by their smallest member, identically on every process, which is
+        what `torch.distributed.new_group` requires.
+        """
+        axes = parse_axes(name)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            key = tuple(c[a] for a in AXES if a not in axes)
+            groups.setdefault(key, []).append(r)
+        return sorted(groups.values())
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        """The members of `rank`'s group along `name`."""
+        for ranks in self.get_ranks(name):
+            if rank in ranks:
+                return ranks
+        raise AssertionError("unreachable: groups partition the world")
+
+
+def parse_axes(name: str) -> list[str]:
+    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
+    axes = name.split("-")
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or len(set(axes)) != len(axes):
+        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
+    return axes
