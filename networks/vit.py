@@ -70,6 +70,16 @@ class SerialLayers:
     def norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
 
+    # Context parallelism splits the token sequence between these two calls; one device: no-op.
+    def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def replicated(self, *parts: Any) -> None:
+        """Marks parameters every rank holds whole and applies to all tokens (no-op here)."""
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
@@ -104,7 +114,7 @@ class VisionTransformer(nn.Module):
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
         self.out_chans = out_chans
-        layers = layers or SerialLayers()
+        self.layer_factory = layers = layers or SerialLayers()
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim)
         self.h, self.w = self.patch_embed.grid
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
@@ -116,13 +126,15 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
         self.apply(_init_weights)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        layers.replicated(self.patch_embed, self.pos_embed, self.head)  # outside the token split
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> normalised tokens (B, N, D)."""
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
+        x = self.layer_factory.scatter_tokens(x)
         for block in self.blocks:
             x = block(x)
-        return self.norm(x)
+        return self.layer_factory.gather_tokens(self.norm(x))
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, C*p*p) -> (B, C, H, W)."""
@@ -174,7 +186,14 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
 
 
 def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
-    """Build the model from a config (`YParams`)."""
+    """Build the model from a config (`YParams`); tensor/context-parallel when `utils.comm`
+    was initialised with tp * cp > 1."""
+    from utils import comm
+
+    if layers is None and comm.get_size("tp-cp") > 1:
+        from distributed.layers import DistributedLayers
+
+        layers = DistributedLayers()
     return VisionTransformer(
         img_size=tuple(params.img_size),
         patch_size=params.patch_size,

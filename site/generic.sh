@@ -7,7 +7,7 @@
 # Use:   source site/generic.sh; sbatch -n 2 submit_pm_dp.sh --config=cpu_short
 #   or:  SITE=generic ./sbatch_site.sh -n 2 submit_pm_dp.sh --config=cpu_short
 
-export SITE=generic
+_name="${BASH_SOURCE[0]##*/}"; export SITE="${_name%.sh}"   # this file's name
 _repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # ---- 1. Submission options. sbatch reads these SBATCH_* input variables from the
@@ -43,4 +43,4 @@ export PYTHON
 # Data (train/valid/test/stats, e.g. from `make data`) and logs; both replace the config's paths.
 export DATA_DIR="${DATA_DIR:-$_repo/data/synthetic}"
 export LOG_DIR="${LOG_DIR:-$_repo/logs}"
-unset _repo
+unset _repo _name

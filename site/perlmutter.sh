@@ -8,7 +8,7 @@
 # or, without changing the shell (also pre-stages the container image on the nodes):
 #     ./sbatch_site.sh -N 4 submit_pm_dp.sh --config=bs256_opt
 
-export SITE=perlmutter
+_name="${BASH_SOURCE[0]##*/}"; export SITE="${_name%.sh}"   # this file's name
 
 # ---- 1. Submission options (sbatch reads SBATCH_* from the environment)
 export SBATCH_CONSTRAINT="${SBATCH_CONSTRAINT:-gpu}"      # -C gpu
@@ -41,4 +41,4 @@ export LOG_DIR="${LOG_DIR:-${SCRATCH:-$HOME}/vit-era5/logs}"
 export FI_MR_CACHE_MONITOR="${FI_MR_CACHE_MONITOR:-userfaultfd}"
 export NCCL_NET_GDR_LEVEL="${NCCL_NET_GDR_LEVEL:-PHB}"
 export HDF5_USE_FILE_LOCKING=FALSE
-unset _image _modules
+unset _image _modules _name

@@ -192,7 +192,7 @@ class SlurmCluster:
             self._write_conf()
             pid_files = self._pid_files()
             self._run_daemon(["slurmctld", "-f", self.conf], pid_files[-2])
-            for name, pid_file in zip(self.node_names, pid_files):
+            for name, pid_file in zip(self.node_names, pid_files[:self.nodes], strict=True):
                 self._run_daemon(["slurmd", "-f", self.conf, "-N", name], pid_file)
             self._wait_idle(timeout)
         except BaseException as e:
@@ -274,7 +274,7 @@ class SlurmCluster:
             "SlurmdDebug=info",
             "SlurmctldDebug=info",
         ]
-        for name, port in zip(self.node_names, node_ports):
+        for name, port in zip(self.node_names, node_ports, strict=True):
             lines.append(f"NodeName={name} NodeHostname={real_host} NodeAddr=127.0.0.1 "
                          f"Port={port} CPUs={self.cpus_per_node} State=UNKNOWN")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
@@ -385,8 +385,8 @@ class SlurmCluster:
                 full_env.pop(key, None)
             else:
                 full_env[key] = value
-        r = subprocess.run(list(cmd), env=full_env, cwd=cwd, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, timeout=timeout)
+        r = subprocess.run(list(cmd), env=full_env, cwd=cwd, capture_output=True, text=True,
+                           timeout=timeout)
         if check and r.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` exited {r.returncode}: {r.stderr.strip()}")
         return r
@@ -428,7 +428,8 @@ class SlurmCluster:
             pass
         return found
 
-    def wait(self, job_id: int, timeout: float = 300.0, poll: float = 0.5) -> tuple[str, int | None]:
+    def wait(self, job_id: int, timeout: float = 300.0,
+             poll: float = 0.5) -> tuple[str, int | None]:
         """Wait for a final state; (JobState, exit code: rc, or -signal). TimeoutError when
         the job is not finished after `timeout` seconds."""
         deadline = time.monotonic() + timeout

@@ -107,7 +107,7 @@ class _Planet:
         self.inv_k2 = np.where(k2 > 0, 1.0 / np.where(k2 > 0, k2, 1.0), 0.0)
         self.inv_k2f = np.where(k2 > 0, 1.0 / (k2 + 2 * _F), 0.0)
         self.k2 = k2
-        self.kcut = kmax * 2 / 3
+        self.kcut, self.steps = kmax * 2 / 3, 0
         # Hyperdiffusion del^8, e-folding in one step at the cutoff wavenumber.
         self.hyper = np.exp(-((k2 / self.kcut**2) ** 4))
         self.land, orog = _orography((ny, nx))
@@ -170,6 +170,7 @@ class _Planet:
         speed = max(wind[0] + wind[1], wind[2] + wind[3], 1.0) * self.kcut
         nsub = max(2, int(np.ceil(_DT_SAMPLE * speed / 1.5)))
         dt = _DT_SAMPLE / nsub
+        self.steps += nsub
         for _ in range(nsub):
             k1 = self._tendency(s, tau_eq_h)
             k2 = self._tendency(s + 0.5 * dt * k1, tau_eq_h)

@@ -63,11 +63,17 @@ def experiment_dir(params: Any, world_size: int, device: torch.device) -> str:
     return path
 
 
-def build_optimizer(params: Any, model: torch.nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
+def build_optimizer(params: Any, model: torch.nn.Module,
+                    capturable: bool = False) -> torch.optim.Optimizer:
+    """Adam; `capturable` (CUDA graphs) keeps the step on the GPU and the LR in a tensor
+    that the scheduler updates in place, so a replayed graph sees the current LR."""
     if params.optimizer != "Adam":
         raise ValueError(f"optimizer '{params.optimizer}' is not supported (use Adam)")
-    return torch.optim.Adam(model.parameters(), lr=params.lr, betas=tuple(params.betas),
-                            fused=bool(params.enable_fused) or None, **kwargs)
+    lr = params.lr
+    if capturable:
+        lr = torch.tensor(float(params.lr), device=next(model.parameters()).device)
+    return torch.optim.Adam(model.parameters(), lr=lr, betas=tuple(params.betas),
+                            fused=bool(params.enable_fused) or None, capturable=capturable)
 
 
 def lr_factor(it: int, num_iters: int, warmup: int, schedule: str) -> float:

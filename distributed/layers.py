@@ -1,0 +1,246 @@
+"""Tensor- and context-parallel versions of the ViT's layers (Megatron-style).
+
+Tensor parallel (tp): a column-parallel matmul splits its output features (each rank computes
+some heads / some MLP hidden units) and a row-parallel matmul splits its input features and
+sums the partial products. Column then row needs one all-reduce per block half and no
+communication in between. Context parallel (cp): each rank holds a contiguous slice of the
+tokens; attention all-gathers k and v so local queries see every key.
+
+Each rank allocates only its shard. Every parameter is annotated (distributed.helpers) with
+how it is laid out; `sync_shared_gradients(model)` uses that to finish its gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed.helpers import (
+    annotate,
+    compute_split_shapes,
+    gather_tensor,
+    shard_tensor,
+)
+from distributed.mappings import (
+    all_gather_from_parallel_region,
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    reduce_from_parallel_region,
+    scatter_to_parallel_region,
+)
+from utils import comm
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) must be divisible by tp ({d})")
+    return n // d
+
+
+def _shard_generator(group_name: str, device: torch.device) -> torch.Generator:
+    """RNG for initialising a shard: different on each rank of `group_name`, the same on the
+    ranks that hold a copy of the same shard (it is seeded from the global RNG, which every
+    rank advances identically), so shards are not clones of each other."""
+    seed = int(torch.randint(0, 2**62, ()).item())
+    return torch.Generator(device=device).manual_seed(seed + comm.get_rank(group_name))
+
+
+class DistributedMatmul(nn.Module):
+    """y = x W^T + b with W split over `group_name` by rows ("column") or columns ("row").
+
+    column: W_local (out/tp, in). The input is replicated: copy_to_parallel_region makes the
+            backward all-reduce its gradient. The output stays split along the last dim.
+    row:    W_local (out, in/tp). The input is split along the last dim; the partial products
+            are summed with reduce_from_parallel_region, *then* the bias is added, once.
+    `blocks` > 1 splits each of that many equal output blocks separately (fused qkv).
+    `seq_group` is the group the tokens are split over: gradients are partial sums over it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, parallel: str, bias: bool = True,
+                 group_name: str = "tp", blocks: int = 1, seq_group: str = "cp"):
+        super().__init__()
+        if parallel not in ("column", "row"):
+            raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
+        self.parallel, self.group_name = parallel, group_name
+        world = comm.get_size(group_name)
+        shared = [g for g in ("tp", "cp") if g != group_name]
+        if parallel == "column":
+            out_local = blocks * _divide(out_features // blocks, world, "output features")
+            self.weight = nn.Parameter(torch.empty(out_local, in_features))
+            annotate(self.weight, shared, [seq_group], [group_name, None], blocks)
+            bias_shape, bias_sharding = (out_local,), [group_name]
+        else:
+            in_local = _divide(in_features, world, "input features")
+            self.weight = nn.Parameter(torch.empty(out_features, in_local))
+            annotate(self.weight, shared, [seq_group], [None, group_name])
+            bias_shape, bias_sharding = (out_features,), [None]
+        self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias else None
+        if self.bias is not None:
+            if parallel == "column":
+                annotate(self.bias, shared, [seq_group], bias_sharding, blocks)
+            else:  # replicated over tp as well: added after the reduction
+                annotate(self.bias, ["tp", "cp"], [seq_group])
+        gen = _shard_generator(group_name, self.weight.device)
+        nn.init.trunc_normal_(self.weight, std=0.02, generator=gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "column":
+            return F.linear(copy_to_parallel_region(x, self.group_name), self.weight, self.bias)
+        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group_name)
+        return y if self.bias is None else y + self.bias
+
+
+class DistributedMLP(nn.Module):
+    """fc1 column-parallel -> GELU on the local hidden units -> fc2 row-parallel."""
+
+    def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = DistributedMatmul(dim, hidden_dim, "column")
+        self.act = nn.GELU()
+        self.fc2 = DistributedMatmul(hidden_dim, dim, "row")
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class TokenSplit:
+    """Splits the token sequence over cp and remembers the (possibly uneven) lengths, so the
+    attention layers can all-gather k and v without first exchanging lengths."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] | None = None
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) replicated -> (B, N_local, D)."""
+        self.sizes = compute_split_shapes(x.shape[1], comm.get_size("cp"))
+        return scatter_to_parallel_region(x, 1, "cp")
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N_local, D) -> (B, N, D) on every rank."""
+        return gather_from_parallel_region(x, 1, "cp", self.sizes)
+
+
+class DistributedAttention(nn.Module):
+    """Self-attention with heads split over tp and tokens split over cp.
+
+    The local fused qkv holds [q | k | v] for this rank's heads. Each cp rank attends with
+    its own queries to the keys and values of all tokens: k and v are all-gathered over cp
+    (one collective for both; its backward reduce-scatters their gradients). No mask is
+    needed (the ViT attends to every token), so plain SDPA runs locally.
+    """
+
+    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0,
+                 tokens: TokenSplit | None = None):
+        super().__init__()
+        self.num_heads = _divide(num_heads, comm.get_size("tp"), "number of heads")
+        self.head_dim = dim // num_heads
+        self.qkv = DistributedMatmul(dim, 3 * dim, "column", blocks=3)
+        self.proj = DistributedMatmul(dim, dim, "row")
+        self.dropout = dropout
+        self.tokens = tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape  # N: local tokens
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        sizes = self.tokens.sizes if self.tokens is not None else None
+        kv = all_gather_from_parallel_region(qkv[:, :, 1:], 1, "cp", sizes)  # (B, N_all, ...)
+        q = qkv[:, :, 0].transpose(1, 2)  # (B, heads, N, head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N_all, head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+class DistributedLayerNorm(nn.LayerNorm):
+    """LayerNorm with replicated parameters. It normalises each token on its own, so it needs
+    no communication; its gradient is a partial sum over cp (local tokens only), which
+    `sync_shared_gradients` completes. Over tp it is already complete (see helpers)."""
+
+    def __init__(self, dim: int, seq_group: str = "cp"):
+        super().__init__(dim)
+        for p in (self.weight, self.bias):
+            annotate(p, ["tp", "cp"], [seq_group])
+
+
+class DistributedLayers:
+    """Drop-in for `networks.vit.SerialLayers`: tp/cp layers and the cp token split."""
+
+    def __init__(self) -> None:
+        self.tokens = TokenSplit()
+
+    def attention(self, dim: int, num_heads: int, dropout: float) -> nn.Module:
+        return DistributedAttention(dim, num_heads, dropout, self.tokens)
+
+    def mlp(self, dim: int, hidden_dim: int, dropout: float) -> nn.Module:
+        return DistributedMLP(dim, hidden_dim, dropout)
+
+    def norm(self, dim: int) -> nn.Module:
+        return DistributedLayerNorm(dim)
+
+    def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens.scatter(x)
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens.gather(x)
+
+    def replicated(self, *parts: nn.Module | nn.Parameter) -> None:
+        """Annotate parameters that every rank holds whole and applies to *all* tokens
+        (patch embedding, pos_embed, head): their gradients are complete everywhere."""
+        for part in parts:
+            for p in part.parameters() if isinstance(part, nn.Module) else [part]:
+                annotate(p, ["tp", "cp"])
+
+
+# ------------------------------------------------------------- serial <-> distributed weights
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel
+
+
+def shard_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """This rank's state dict for `model`, cut from a serial (single-device) state dict."""
+    model = _unwrap(model)
+    params = dict(model.named_parameters())
+    out = {}
+    for name, value in model.state_dict().items():
+        full = serial_sd[name]
+        out[name] = shard_tensor(full, params[name]) if name in params else full
+        if out[name].shape != value.shape:
+            raise ValueError(f"{name}: shard {tuple(out[name].shape)} != {tuple(value.shape)}")
+    return out
+
+
+def load_serial_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]) -> None:
+    """Copy a serial model's weights into the (tensor/context-parallel) `model`."""
+    _unwrap(model).load_state_dict(shard_state_dict(model, serial_sd))
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The serial state dict of a distributed model (collective over tp: call on every rank).
+
+    Layout-free checkpoints: load it into any layout with `load_serial_state_dict`.
+    """
+    model = _unwrap(model)
+    params = dict(model.named_parameters())
+    return {name: gather_tensor(value, params[name]) if name in params else value
+            for name, value in model.state_dict().items()}
+
+
+@torch.no_grad()
+def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Serial-layout gradients of a distributed model (tests and debugging)."""
+    return {name: gather_tensor(p.grad, p) for name, p in _unwrap(model).named_parameters()
+            if p.grad is not None}
+
+
+def describe(model: Any) -> str:
+    """One line: parameters held by this rank (shards count once)."""
+    n = sum(p.numel() for p in _unwrap(model).parameters())
+    return f"{n:,} parameters on this rank (tp={comm.get_size('tp')}, cp={comm.get_size('cp')})"

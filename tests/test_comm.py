@@ -1,0 +1,110 @@
+"""Process-group layout: utils.rank_generator (pure logic) and utils.comm (real processes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from utils import comm
+from utils.rank_generator import RankGenerator
+
+ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp"))]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 3), (2, 2, 2), (4, 2, 1), (2, 3, 2), (1, 1, 4)]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("tp,cp,dp", LAYOUTS)
+def test_groups_partition_and_are_orthogonal(tp: int, cp: int, dp: int, order: str) -> None:
+    gen = RankGenerator(tp, cp, dp, order)
+    world = range(tp * cp * dp)
+    for name, size in [("tp", tp), ("cp", cp), ("dp", dp), ("tp-cp", tp * cp)]:
+        groups = gen.get_ranks(name)
+        assert sorted(r for g in groups for r in g) == list(world), name  # a partition
+        assert all(len(g) == size for g in groups), name
+    for r in world:
+        tp_g, cp_g, dp_g = (set(gen.group_of(n, r)) for n in ("tp", "cp", "dp"))
+        # any two single-axis groups through r meet only in r
+        assert tp_g & cp_g == tp_g & dp_g == cp_g & dp_g == {r}
+        # the model-parallel group is every (tp, cp) combination with r's dp coordinate
+        assert set(gen.group_of("tp-cp", r)) == {t for c in cp_g for t in gen.group_of("tp", c)}
+        assert gen.rank(gen.coords(r)) == r
+
+
+def test_documented_order() -> None:
+    # default "tp-cp-dp": tp fastest, so tensor-parallel partners are adjacent ranks
+    gen = RankGenerator(2, 2, 2)
+    assert gen.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gen.get_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert gen.get_ranks("tp-cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert gen.coords(6) == {"tp": 0, "cp": 1, "dp": 1}
+    # "dp-tp-cp": dp fastest, then tp, then cp
+    gen = RankGenerator(2, 2, 2, "dp-tp-cp")
+    assert gen.get_ranks("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gen.get_ranks("tp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert gen.get_ranks("cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_bad_layouts() -> None:
+    with pytest.raises(ValueError, match="order"):
+        RankGenerator(2, 1, 1, "tp-dp")
+    with pytest.raises(ValueError, match="axis"):
+        RankGenerator(2, 1, 1, "tp-cp-xx")
+    with pytest.raises(ValueError, match="positive"):
+        RankGenerator(0, 1, 1)
+
+
+def test_without_torch_distributed() -> None:
+    assert not dist.is_initialized()
+    comm.reset()
+    for name in ("tp", "cp", "dp", "tp-cp"):
+        assert (comm.get_size(name), comm.get_rank(name), comm.get_group(name)) == (1, 0, None)
+    assert (comm.get_world_size(), comm.get_world_rank(), comm.is_distributed()) == (1, 0, False)
+    assert comm.get_local_rank() == 0
+    comm.init(tp=1, cp=1)
+    assert comm.get_size("tp-cp") == 1 and comm.get_group("dp") is None
+    with pytest.raises(ValueError, match=r"world size 1 .* tp\*cp = 2 \(tp=2, cp=1\)"):
+        comm.init(tp=2, cp=1)
+    with pytest.raises(KeyError, match="unknown process group"):
+        comm.get_size("pp")
+    comm.reset()
+
+
+def _check_layouts(layouts: list[tuple[int, int, str]]) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # before init: tp = cp = 1 and dp is the whole world
+    assert (comm.get_size("dp"), comm.get_rank("dp"), comm.get_size("tp-cp")) == (world, rank, 1)
+    for tp, cp, order in layouts:
+        comm.init(tp=tp, cp=cp, order=order)
+        gen = RankGenerator(tp, cp, world // (tp * cp), order)
+        for name in ("tp", "cp", "dp", "tp-cp"):
+            expected = gen.group_of(name, rank)
+            assert comm.get_size(name) == len(expected) == gen.group_size(name)
+            assert comm.get_rank(name) == expected.index(rank)
+            # the real group's members, in group-rank order, are the documented ranks
+            members = [torch.zeros(1, dtype=torch.int64) for _ in expected]
+            dist.all_gather(members, torch.tensor([rank]), group=comm.get_group(name))
+            assert [int(m) for m in members] == expected, (name, tp, cp, order)
+    bad = 3 if world % 3 else 5
+    try:
+        comm.init(tp=bad, cp=1)
+    except ValueError as e:
+        assert f"world size {world}" in str(e) and f"tp={bad}, cp=1" in str(e)
+    else:
+        raise AssertionError("indivisible layout accepted")
+
+
+def test_groups_on_4_processes() -> None:
+    layouts = [(1, 1, "tp-cp-dp"), (2, 1, "tp-cp-dp"), (1, 2, "tp-cp-dp"), (2, 2, "tp-cp-dp"),
+               (4, 1, "tp-cp-dp"), (2, 1, "dp-cp-tp"), (1, 2, "cp-dp-tp"), (2, 2, "cp-tp-dp")]
+    run_distributed(_check_layouts, 4, layouts)
+
+
+def test_groups_on_8_processes() -> None:
+    layouts = [(2, 2, "tp-cp-dp"), (2, 2, "dp-tp-cp"), (4, 2, "cp-tp-dp"), (2, 4, "tp-dp-cp"),
+               (8, 1, "tp-cp-dp"), (1, 2, "dp-cp-tp")]
+    run_distributed(_check_layouts, 8, layouts)

@@ -1,0 +1,349 @@
+"""The SLURM submit scripts, for real: a private SLURM cluster on this machine
+(tests/slurm_cluster.py) runs submit_pm.sh and submit_pm_dp.sh with the generic site preset
+on a tiny synthetic dataset, plus checks that need no cluster (export_DDP_vars.sh, the
+portability of the #SBATCH lines, the site presets).
+
+The cluster needs root and the Debian packages slurmctld, slurmd, slurm-client and munge
+(installed with apt-get when missing). Where it cannot exist the cluster tests are skipped
+with the reason in the test summary; SLURM_TESTS_REQUIRED=1 turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
+except ImportError:  # tests/ on sys.path (pytest's default for a directory without __init__)
+    from slurm_cluster import ClusterUnavailable, SlurmCluster
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
+JOB_TIMEOUT = 240  # seconds for one tiny training job on a 2-core machine (~15-35 s measured)
+BASH = shutil.which("bash") or "/bin/bash"
+# Variables of an outer launcher that must not leak into the jobs.
+LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
+         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
+         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
+
+
+def _bash(script: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([BASH, "-c", script], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=30)
+
+
+def _vars(stdout: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line)
+
+
+# --------------------------------------------------------------------------- no cluster
+DDP_PRINT = "source ./export_DDP_vars.sh; for v in RANK LOCAL_RANK WORLD_SIZE MASTER_ADDR " \
+            "MASTER_PORT; do echo \"$v=${!v}\"; done"
+
+
+@pytest.mark.parametrize("tools", ["path", "pure-bash"])
+def test_export_ddp_vars(tools, tmp_path):
+    """The SLURM task variables become torch.distributed's, with or without SLURM tools."""
+    path = str(tmp_path) if tools == "pure-bash" else os.environ.get("PATH", "/usr/bin:/bin")
+    env = {"PATH": path, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+           "SLURM_JOB_NODELIST": "nid[001234-001237]"}
+    r = _bash(DDP_PRINT, env)
+    assert r.returncode == 0, r.stderr
+    assert _vars(r.stdout) == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+                               "MASTER_ADDR": "nid001234", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("host", "host"), ("hosta,hostb", "hosta"), ("host[1-4]", "host1"),
+    ("host[01,03]", "host01"), ("nid[001234-001237,001240]", "nid001234"),
+    ("gpu[07-09]-ib,login1", "gpu07-ib"), ("nid001000", "nid001000"),
+])
+def test_export_ddp_vars_nodelist_forms(nodelist, first, tmp_path):
+    """The pure-bash fallback (no scontrol, e.g. inside a container) finds the first host."""
+    env = {"PATH": str(tmp_path), "SLURM_NODELIST": nodelist, "SLURM_PROCID": "0",
+           "SLURM_NTASKS": "2"}
+    r = _bash(DDP_PRINT, env)
+    assert _vars(r.stdout)["MASTER_ADDR"] == first, r.stderr
+
+
+def test_export_ddp_vars_port_and_overrides(tmp_path):
+    base = {"PATH": str(tmp_path), "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "a[1-2]", "SLURM_JOB_ID": "123456"}
+    # a per-job default port, so two jobs sharing a node do not collide
+    assert _vars(_bash(DDP_PRINT, base).stdout)["MASTER_PORT"] == str(29500 + 456)
+    out = _vars(_bash(DDP_PRINT, dict(base, MASTER_PORT="40000",
+                                      DDP_MASTER_ADDR="10.1.2.3")).stdout)
+    assert (out["MASTER_PORT"], out["MASTER_ADDR"]) == ("40000", "10.1.2.3")
+
+
+def _sbatch_options(script: Path) -> list[tuple[int, str]]:
+    """(line number, option name) of every option on the script's #SBATCH lines."""
+    found = []
+    for number, line in enumerate(script.read_text().splitlines(), 1):
+        if not line.startswith("#SBATCH"):
+            continue
+        for token in shlex.split(line[len("#SBATCH"):], comments=True):
+            if token.startswith("--"):
+                found.append((number, token.split("=", 1)[0]))
+            elif token.startswith("-"):
+                found.append((number, token[:2]))  # -C gpu, -Cgpu
+    return found
+
+
+# Rejected by sbatch on a cluster without the feature/GRES/plugin (-C, --gpus*, --gres,
+# Shifter's --image/--module), or meaningful only at one site (-A, -q, -p, reservations,
+# CPU counts that exceed other machines' nodes). These belong in site/<name>.sh.
+NOT_PORTABLE = re.compile(r"^(-C|--constraint|-G|--gpus.*|--gres.*|--image|--module|--volume|"
+                          r"-A|--account|-q|--qos|-p|--partition|--reservation|-L|--licenses|"
+                          r"-c|--cpus-per-task|--cpu-bind|--mem.*)$")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_sbatch_lines_are_portable(name):
+    script = REPO / name
+    options = _sbatch_options(script)
+    assert options, f"{name} has no #SBATCH lines"
+    bad = [f"{name}:{n}: {opt}" for n, opt in options if NOT_PORTABLE.match(opt)]
+    assert not bad, "site-specific #SBATCH options (set them in site/<name>.sh): " + \
+        ", ".join(bad)
+    assert {"--output", "-o"} & {opt for _, opt in options}, f"{name}: no --output"
+    r = subprocess.run([BASH, "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _preset_env(script: str, **extra: str) -> dict[str, str]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", **extra}
+    r = _bash(script + "; env", env)
+    assert r.returncode == 0, r.stderr
+    return _vars(r.stdout)
+
+
+def test_site_presets():
+    pm = _preset_env("source site/perlmutter.sh", SCRATCH="/scratch")
+    assert pm["SITE"] == "perlmutter"
+    assert (pm["SBATCH_CONSTRAINT"], pm["SBATCH_QOS"], pm["SBATCH_GPUS_PER_NODE"]) == \
+        ("gpu", "regular", "4")
+    assert "shifter --image=nersc/pytorch:ngc-23.07-v0 --module=gpu,nccl-2.18" in \
+        pm["SITE_LAUNCHER"]
+    assert pm["SLURM_CPU_BIND"] == "cores" and pm["SITE_CUDA_VISIBLE_DEVICES"] == "3,2,1,0"
+    assert pm["NCCL_NET_GDR_LEVEL"] == "PHB" and pm["DATA_DIR"].startswith("/scratch/")
+    # values already in the environment win over the preset's defaults
+    assert _preset_env("source site/perlmutter.sh", SBATCH_QOS="debug")["SBATCH_QOS"] == "debug"
+
+    gen = _preset_env("source site/generic.sh", PYTHON="/opt/py/bin/python")
+    assert gen["SITE"] == "generic" and gen["PYTHON"] == "/opt/py/bin/python"
+    assert not [k for k in gen if k.startswith("SBATCH_")], "generic sets sbatch options"
+    assert gen["SITE_LAUNCHER"] == "" and gen["LOG_DIR"] == str(REPO / "logs")
+
+
+def test_site_selection(tmp_path):
+    """SITE wins, then site/local.sh, then NERSC_HOST=perlmutter, else generic."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "site", site)
+    load = f"source {site}/load.sh"
+    assert _preset_env(load)["SITE"] == "generic"
+    assert _preset_env(load, NERSC_HOST="perlmutter")["SITE"] == "perlmutter"
+    assert _preset_env(load, NERSC_HOST="perlmutter", SITE="generic")["SITE"] == "generic"
+    (site / "local.sh").write_text((site / "generic.sh").read_text())
+    assert _preset_env(load, NERSC_HOST="perlmutter")["SITE"] == "local"
+    r = _bash(load, {"PATH": os.environ.get("PATH", ""), "SITE": "nowhere"})
+    assert r.returncode != 0 and "no preset" in r.stderr
+
+
+# --------------------------------------------------------------------------- cluster
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        c = SlurmCluster(nodes=1).start()
+    except ClusterUnavailable as e:
+        reason = f"no SLURM cluster on this machine: {e}"
+        if os.environ.get("SLURM_TESTS_REQUIRED"):
+            pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
+        print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
+        warnings.warn(reason, stacklevel=1)
+        pytest.skip(reason)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm-jobs")
+
+
+@pytest.fixture(scope="module")
+def dataset(workdir):
+    out = workdir / "data"
+    r = subprocess.run([sys.executable, "-m", "utils.synthetic_data", "--out", str(out),
+                        "--img_size", "16", "32", "--samples_per_year", "32"],
+                       cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def _job_env(cluster: SlurmCluster, workdir: Path, rendezvous: bool = True,
+             **extra: str) -> dict[str, str | None]:
+    """What a user on a generic cluster exports before sbatch: the generic preset, this
+    test's python, and data/log directories outside the repository."""
+    env: dict[str, str | None] = {k: None for k in LEAKY}
+    env.update(SITE="generic", PYTHON=sys.executable, LOG_DIR=str(workdir / "logs"))
+    try:
+        if rendezvous:
+            socket.gethostbyname(cluster.node_names[0])
+    except OSError:  # this machine's own name does not resolve: rendezvous on loopback
+        print(f"note: {cluster.node_names[0]} does not resolve; DDP_MASTER_ADDR=127.0.0.1")
+        env["DDP_MASTER_ADDR"] = "127.0.0.1"
+    env.update(extra)
+    return env
+
+
+def _out_opt(workdir: Path) -> str:
+    return f"--output={workdir}/%x-%j.out"
+
+
+@pytest.fixture(scope="module")
+def training_jobs(cluster, dataset, workdir):
+    """Both training jobs, submitted together (they share the node's 8 slots)."""
+    env = _job_env(cluster, workdir, DATA_DIR=str(dataset))
+    return {
+        "single": cluster.submit("submit_pm.sh", ["--yaml_config=config/ViT.yaml",
+                                                  "--config=tiny"],
+                                 env=env, sbatch_opts=[_out_opt(workdir)], cwd=str(REPO)),
+        "dp": cluster.submit("submit_pm_dp.sh", ["--config=tiny"], env=env,
+                             sbatch_opts=["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)],
+                             cwd=str(REPO)),
+    }
+
+
+def _finished_ok(cluster: SlurmCluster, job: int, timeout: float = JOB_TIMEOUT) -> str:
+    try:
+        state, code = cluster.wait(job, timeout=timeout)
+    except TimeoutError as e:
+        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
+    out = cluster.output(job)
+    assert (state, code) == ("COMPLETED", 0), \
+        f"job {job}: {state} exit {code}\n--- job output\n{out[-4000:]}\n" \
+        f"--- daemons\n{cluster.daemon_logs(10)}"
+    return out
+
+
+def test_single_process_job(cluster, training_jobs):
+    out = _finished_ok(cluster, training_jobs["single"])
+    assert "site=generic" in out
+    assert re.search(r"task RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 ", out), out[-3000:]
+    assert "world size 1 (env launcher)" in out, out[-3000:]
+    assert len(re.findall(r"Time taken for epoch \d+ is [\d.]+ sec", out)) >= 1, out[-3000:]
+    assert "Avg train loss=" in out
+
+
+def test_data_parallel_job(cluster, training_jobs):
+    out = _finished_ok(cluster, training_jobs["dp"])
+    tasks = re.findall(r"task RANK=(\d) LOCAL_RANK=(\d) WORLD_SIZE=2 MASTER_ADDR=(\S+) "
+                       r"MASTER_PORT=(\d+)", out)
+    assert sorted(t[:2] for t in tasks) == [("0", "0"), ("1", "1")], out[-3000:]
+    assert len({t[2:] for t in tasks}) == 1, f"ranks disagree on the rendezvous: {tasks}"
+    assert "world size 2 (env launcher)" in out, out[-3000:]
+    assert "local batch 2" in out  # global batch 4 split over 2 data-parallel ranks
+    assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
+
+
+def test_export_ddp_vars_with_scontrol(cluster):
+    """The `scontrol show hostnames` path (a configured SLURM client on PATH)."""
+    env = dict(cluster.env, SLURM_PROCID="0", SLURM_NTASKS="4",
+               SLURM_JOB_NODELIST="gpu[010-013],cpu1")
+    env.pop("MASTER_PORT", None)
+    env.pop("DDP_MASTER_ADDR", None)
+    assert _vars(_bash(DDP_PRINT, env).stdout)["MASTER_ADDR"] == "gpu010"
+
+
+def test_preset_options_reach_sbatch(cluster):
+    """A preset's SBATCH_* variables are real sbatch inputs: the Perlmutter preset's GPU
+    options are rejected by this GPU-less cluster, the generic preset's job is accepted."""
+    test_only = ["--test-only", "-N", "1", "submit_pm_dp.sh"]
+    r = cluster.run([BASH, "-c", "source site/perlmutter.sh && sbatch " + " ".join(test_only)],
+                    check=False, cwd=str(REPO), env={"SITE": None})
+    assert r.returncode != 0 and re.search(r"Invalid (feature|generic resource)", r.stderr), \
+        r.stderr
+    for var, value, error in (("SBATCH_CONSTRAINT", "gpu", "Invalid feature"),
+                              ("SBATCH_GPUS_PER_NODE", "4", "Invalid generic resource")):
+        r = cluster.run(["sbatch", *test_only], check=False, cwd=str(REPO), env={var: value})
+        assert r.returncode != 0 and error in r.stderr, f"{var}: {r.stderr}"
+    r = cluster.run([str(REPO / "sbatch_site.sh"), *test_only], check=False, cwd=str(REPO),
+                    env={"SITE": "generic"})
+    assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+
+
+PROBE = """\
+import json, os, sys
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID",
+        "TORCH_PROFILER_OUTPUT", "PROFILE_WITH_NSYS")
+print("PROBE " + json.dumps({"argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}))
+"""
+
+
+def test_two_node_model_parallel_layout(workdir):
+    """submit_pm_mp.sh on two nodes x 2 tasks with TRAIN_SCRIPT = a probe: ranks, local ranks,
+    one rendezvous, arguments passed through verbatim, the profiling fallback."""
+    probe = workdir / "probe.py"
+    probe.write_text(PROBE)
+    try:
+        c = SlurmCluster(nodes=2).start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no SLURM cluster on this machine: {e}")
+    try:
+        env = _job_env(c, workdir, rendezvous=False, TRAIN_SCRIPT=str(probe), ENABLE_PROFILING="1",
+                       PROFILE_OUTPUT="probe")
+        args = ["--config=mp", "--row_parallel_size=2", "two words", "quote'\"$HOME"]
+        job = c.submit("submit_pm_mp.sh", args, env=env, cwd=str(REPO),
+                       sbatch_opts=["-N", "2", "--ntasks-per-node=2", _out_opt(workdir)])
+        out = _finished_ok(c, job, timeout=60)
+    finally:
+        c.stop()
+    seen = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+            if line.startswith("PROBE ")]
+    assert len(seen) == 4, out
+    by_rank = {int(s["RANK"]): s for s in seen}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank, s in by_rank.items():
+        assert s["argv"] == args
+        assert s["WORLD_SIZE"] == "4"
+        assert (int(s["SLURM_NODEID"]), int(s["LOCAL_RANK"])) == divmod(rank, 2)
+        assert s["TORCH_PROFILER_OUTPUT"] == str(workdir / "logs") or shutil.which("nsys")
+    assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
+    assert by_rank[0]["MASTER_ADDR"] == "node1"  # the first host of the job's node list
+
+
+SIGNAL_JOB = """\
+#!/bin/bash
+echo "start restart=${SLURM_RESTART_COUNT:-0}"
+if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then echo "second run"; exit 0; fi
+trap 'echo "got USR1"' USR1
+for i in $(seq 1200); do sleep 0.1; done
+exit 3
+"""
+
+
+def test_harness_signal_and_requeue(cluster, workdir):
+    """cluster.signal reaches the batch shell; cluster.requeue reruns the job
+    (SLURM_RESTART_COUNT=1), the output of both runs kept with --open-mode=append."""
+    script = workdir / "signal_job.sh"
+    script.write_text(SIGNAL_JOB)
+    job = cluster.submit(str(script), cwd=str(workdir),
+                         sbatch_opts=["--open-mode=append", _out_opt(workdir)])
+    cluster.wait_output(job, "start restart=0", timeout=30)
+    cluster.signal(job, "USR1", batch=True)
+    cluster.wait_output(job, "got USR1", timeout=30)
+    cluster.requeue(job)
+    out = _finished_ok(cluster, job, timeout=90)
+    assert "start restart=1" in out and "second run" in out, out
