@@ -202,7 +202,7 @@ def sync_shared_params(model: nn.Module) -> None:
 def shard_tensor(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the serial tensor `full`, laid out like `param`."""
     out = full
-    for dim, group_name in enumerate(param.sharded_dims_mp):
+    for dim, group_name in enumerate(getattr(param, "sharded_dims_mp", [])):
         if group_name is None or comm.get_size(group_name) == 1:
             continue
         world, rank, blocks = comm.get_size(group_name), comm.get_rank(group_name), \

@@ -72,18 +72,18 @@ class DistributedMatmul(nn.Module):
             out_local = blocks * _divide(out_features // blocks, world, "output features")
             self.weight = nn.Parameter(torch.empty(out_local, in_features))
             annotate(self.weight, shared, [seq_group], [group_name, None], blocks)
-            bias_shape, bias_sharding = (out_local,), [group_name]
         else:
-            in_local = _divide(in_features, world, "input features")
-            self.weight = nn.Parameter(torch.empty(out_features, in_local))
+            self.weight = nn.Parameter(
+                torch.empty(out_features, _divide(in_features, world, "input features")))
             annotate(self.weight, shared, [seq_group], [None, group_name])
-            bias_shape, bias_sharding = (out_features,), [None]
-        self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias else None
-        if self.bias is not None:
-            if parallel == "column":
-                annotate(self.bias, shared, [seq_group], bias_sharding, blocks)
-            else:  # replicated over tp as well: added after the reduction
-                annotate(self.bias, ["tp", "cp"], [seq_group])
+        if not bias:
+            self.register_parameter("bias", None)
+        elif parallel == "column":  # split like the output features
+            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
+            annotate(self.bias, shared, [seq_group], [group_name], blocks)
+        else:  # whole on every rank, added once after the reduction
+            self.bias = nn.Parameter(torch.zeros(out_features))
+            annotate(self.bias, ["tp", "cp"], [seq_group])
         gen = _shard_generator(group_name, self.weight.device)
         nn.init.trunc_normal_(self.weight, std=0.02, generator=gen)
 

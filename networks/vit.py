@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import zlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -109,6 +111,7 @@ class VisionTransformer(nn.Module):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         layers: Any = None,
+        seed: int = 0,
     ):
         super().__init__()
         self.img_size = tuple(img_size)
@@ -124,8 +127,7 @@ class VisionTransformer(nn.Module):
         )
         self.norm = layers.norm(embed_dim)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
-        self.apply(_init_weights)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        init_weights(self, seed)
         layers.replicated(self.patch_embed, self.pos_embed, self.head)  # outside the token split
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,14 +148,37 @@ class VisionTransformer(nn.Module):
         return self.unpatchify(self.head(self.forward_tokens(x)))
 
 
-def _init_weights(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.LayerNorm):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
+def init_weights(model: nn.Module, seed: int = 0) -> None:
+    """Initialise every parameter from its own generator, seeded by (seed, name).
+
+    The numbers then do not depend on the parallel layout: a sharded parameter draws its
+    full serial tensor (one parameter at a time, so memory stays small) and keeps its
+    shard, so train_mp.py with any tp/cp starts from exactly the weights train.py uses.
+    Weights ~ N(0, 0.02) truncated at 2 std, biases 0, LayerNorm scales 1.
+    """
+    from distributed.helpers import shard_tensor
+
+    for module_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            shape = list(p.shape)
+            for dim, group in enumerate(getattr(p, "sharded_dims_mp", [])):
+                if group is not None:
+                    from utils import comm
+
+                    shape[dim] *= comm.get_size(group)
+            if isinstance(module, nn.LayerNorm):
+                full = torch.ones(shape) if pname == "weight" else torch.zeros(shape)
+            elif pname == "bias":
+                full = torch.zeros(shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = nn.init.trunc_normal_(torch.empty(shape), std=0.02, a=-0.04, b=0.04,
+                                             generator=gen)
+            if hasattr(p, "sharded_dims_mp"):
+                full = shard_tensor(full, p)
+            with torch.no_grad():
+                p.copy_(full)
 
 
 def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,
@@ -204,6 +229,7 @@ def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
         num_heads=params.num_heads,
         dropout=params.dropout,
         layers=layers,
+        seed=int(getattr(params, "seed", 0) or 0),
     )
 
 

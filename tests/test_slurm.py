@@ -214,15 +214,17 @@ def _out_opt(workdir: Path) -> str:
 
 @pytest.fixture(scope="module")
 def training_jobs(cluster, dataset, workdir):
-    """Both training jobs, submitted together (they share the node's 8 slots)."""
+    """The three training jobs, submitted together (they share the node's 8 slots)."""
     env = _job_env(cluster, workdir, DATA_DIR=str(dataset))
+    two_tasks = ["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)]
     return {
         "single": cluster.submit("submit_pm.sh", ["--yaml_config=config/ViT.yaml",
                                                   "--config=tiny"],
                                  env=env, sbatch_opts=[_out_opt(workdir)], cwd=str(REPO)),
         "dp": cluster.submit("submit_pm_dp.sh", ["--config=tiny"], env=env,
-                             sbatch_opts=["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)],
-                             cwd=str(REPO)),
+                             sbatch_opts=two_tasks, cwd=str(REPO)),
+        "mp": cluster.submit("submit_pm_mp.sh", ["--config=tiny", "--row_parallel_size=2"],
+                             env=env, sbatch_opts=two_tasks, cwd=str(REPO)),
     }
 
 
@@ -256,6 +258,37 @@ def test_data_parallel_job(cluster, training_jobs):
     assert "world size 2 (env launcher)" in out, out[-3000:]
     assert "local batch 2" in out  # global batch 4 split over 2 data-parallel ranks
     assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
+
+
+def test_model_parallel_job(cluster, training_jobs):
+    """submit_pm_mp.sh runs train_mp.py: 2 tasks = tensor parallel 2 x data parallel 1."""
+    out = _finished_ok(cluster, training_jobs["mp"])
+    assert "train_mp.py --config=tiny --row_parallel_size=2" in out
+    assert "world size 2 (env launcher)" in out, out[-3000:]
+    assert "local batch 4" in out  # dp = 1: each rank sees the whole global batch
+    assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
+
+
+def test_preemption_requeue_resume(cluster, dataset, workdir):
+    """The tutorial's preemption path under real SLURM: USR1 to the tasks -> train.py saves
+    a checkpoint and requeues its own job -> the rerun (same arguments) resumes there."""
+    env = _job_env(cluster, workdir, DATA_DIR=str(dataset), LOG_DIR=str(workdir / "preempt"))
+    job = cluster.submit("submit_pm.sh", ["--config=tiny", "--num_iters=32", "--requeue",
+                                          "--resume"],
+                         env=env, sbatch_opts=["--open-mode=append", _out_opt(workdir)],
+                         cwd=str(REPO))
+    try:
+        cluster.wait_output(job, "Time taken for epoch 1 ", timeout=JOB_TIMEOUT)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit
+    out = _finished_ok(cluster, job)
+    stopped = re.search(r"stopped at iteration (\d+)", out)
+    resumed = re.search(r"Resumed from \S+: iteration (\d+)", out)
+    assert stopped and resumed, out[-4000:]
+    assert stopped.group(1) == resumed.group(1)
+    assert out.count("site=generic") == 2  # two runs of the batch script, one output file
+    assert "Finished 32 iterations" in out
 
 
 def test_export_ddp_vars_with_scontrol(cluster):
@@ -310,8 +343,11 @@ def test_two_node_model_parallel_layout(workdir):
         out = _finished_ok(c, job, timeout=60)
     finally:
         c.stop()
-    seen = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
-            if line.startswith("PROBE ")]
+    try:
+        seen = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+                if line.startswith("PROBE ")]
+    except ValueError as e:
+        pytest.fail(f"unreadable probe line ({e}) in:\n{out}")
     assert len(seen) == 4, out
     by_rank = {int(s["RANK"]): s for s in seen}
     assert sorted(by_rank) == [0, 1, 2, 3]

@@ -103,9 +103,10 @@ def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp", backend: str | None 
             group = dist.new_group(ranks=members) if is_distributed() else None
             if rank in members:
                 sizes[name], ranks[name], groups[name] = len(members), members.index(rank), group
-    _sizes.clear(), _sizes.update(sizes)
-    _ranks.clear(), _ranks.update(ranks)
-    _groups.clear(), _groups.update(groups)
+    reset()
+    _sizes.update(sizes)
+    _ranks.update(ranks)
+    _groups.update(groups)
     _layout = layout
     if verbose and rank == 0:
         print(f"comm: world {world} = tp {tp} x cp {cp} x dp {layout.sizes['dp']} "

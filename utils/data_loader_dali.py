@@ -131,7 +131,7 @@ class DALILoader:
         self._at: tuple[int, int] = (0, 0)  # (epoch, batch) the pipeline's next batch belongs to
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.sampler.skip // self.batch_size
+        return max(self.batches_per_epoch - self.sampler.skip // self.batch_size, 0)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -155,12 +155,14 @@ class DALILoader:
                         device_id=self.device.index if on_gpu else None,
                         prefetch_queue_depth=self.prefetch,
                         py_num_workers=max(self.num_workers, 1), py_start_method="spawn")
-        sample_bytes = 2 * source._zeros.nbytes
+        parallel = {}
+        if self.num_workers > 0:  # these arguments are errors for a non-parallel source
+            parallel = {"parallel": True, "prefetch_queue_depth": self.prefetch,
+                        # shared memory sized for a sample up front (+ DALI's metadata)
+                        "bytes_per_sample_hint": 2 * source._zeros.nbytes + 4096}
         with pipe:
-            inp, tar = fn.external_source(
-                source, num_outputs=2, batch=False, parallel=self.num_workers > 0,
-                prefetch_queue_depth=self.prefetch, dtype=types.FLOAT, ndim=3,
-                bytes_per_sample_hint=sample_bytes + 4096)  # + room for DALI's metadata
+            inp, tar = fn.external_source(source, num_outputs=2, batch=False, dtype=types.FLOAT,
+                                          ndim=3, **parallel)
             if on_gpu:
                 inp, tar = inp.gpu(), tar.gpu()
             dev = "gpu" if on_gpu else "cpu"
@@ -186,6 +188,8 @@ class DALILoader:
         if self._at[1] >= self.batches_per_epoch:  # the last loop ended right at its last batch
             self._at = (self._at[0] + 1, 0)
         epoch, batch = self._requested()
+        if batch >= self.batches_per_epoch:  # resumed at the very end of an epoch
+            return
         if self._pipe is None or self._at != (epoch, batch):
             self._build(epoch, batch)
         for b in range(batch, self.batches_per_epoch):

@@ -32,6 +32,8 @@ class LaunchEnv:
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
+    if key not in environ:
+        raise LaunchError(f"{key} is not set")
     try:
         return int(environ[key])
     except ValueError:

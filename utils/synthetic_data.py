@@ -39,15 +39,17 @@ _DAY = 86400.0 * 10.0 / 6.371e6      # one day in model time units (L / 10 m/s)
 _DT_SAMPLE = DT_HOURS / 24.0 * _DAY
 _PSI_TO_PHI = 1e-4 * 10.0 * 6.371e6  # f0 * psi in m2/s2 per nondimensional psi
 _BETA = 40.0        # weaker than Earth's ~66 so the jets are comfortably unstable
-_F = 40.0           # 2F = k_d^2: deformation radius ~ 700 km
+_F = 60.0           # 2F = k_d^2: deformation radius ~ 600 km
 _TAU_EQ = 1.2       # radiative-equilibrium thickness amplitude (sets jet / temperature gradient)
 _RELAX = 1.0 / (20.0 * _DAY)
 _DRAG = 1.0 / (4.0 * _DAY)
 _SEASON_SHIFT = 0.2  # rad: seasonal migration of the thermal equator (~11 degrees)
-_T_PER_TAU = 16.0    # K per unit of thickness psi1 - psi2 (thermal wind)
+_T_PER_TAU = 20.0    # K per unit of thickness psi1 - psi2 (thermal wind)
 _PLANET_SEED = 20231112  # the continents are the same for every data seed
-_SPINUP_DAYS = 90.0
-_CORE_MAX = (64, 128)
+_SPINUP_DAYS = 60.0
+_CFL = 2.0
+_HYPER_HOURS = 2.0
+_CORE_MAX = (48, 96)
 _CORE_MIN = (32, 64)
 # Mean geopotential of each level and the weight a of the baroclinic mode in
 # psi(level) = psi_barotropic + a * psi_baroclinic (upper layer ~ 300 hPa, lower ~ 750 hPa).
@@ -108,8 +110,8 @@ class _Planet:
         self.inv_k2f = np.where(k2 > 0, 1.0 / (k2 + 2 * _F), 0.0)
         self.k2 = k2
         self.kcut, self.steps = kmax * 2 / 3, 0
-        # Hyperdiffusion del^8, e-folding in one step at the cutoff wavenumber.
-        self.hyper = np.exp(-((k2 / self.kcut**2) ** 4))
+        # del^8 hyperdiffusion: e-folding in _HYPER_HOURS at the cutoff, negligible at large scales.
+        self.hyper_rate = (k2 / self.kcut**2) ** 4 / (_HYPER_HOURS / 24.0 * _DAY)
         self.land, orog = _orography((ny, nx))
         self.topo_h = np.fft.rfft2(0.004 * orog) * self.mask  # f0 h / H in PV units
         self.evap = np.where(self.land, 1.0 / (6.0 * _DAY), 1.0 / (1.5 * _DAY))
@@ -149,7 +151,7 @@ class _Planet:
         nl = np.fft.rfft2(np.stack([
             -(u1 * q1x - v1 * q1r),
             -(u2 * q2x - v2 * q2r),
-            -(u2 * mlx - v2 * mlr) + self.evap * (0.85 * qs_lo - ml),
+            -(u2 * mlx - v2 * mlr) + self.evap * (0.8 * qs_lo - ml),
             -(u1 * mhx - v1 * mhr) + (0.7 * rh_lo * qs_hi - mh) / (3.0 * _DAY),
         ]))
         thick = _F * _RELAX * (p1 - p2 - tau_eq_h)  # thermal relaxation of psi1 - psi2
@@ -168,16 +170,17 @@ class _Planet:
                                     s=(self.ny, self.nx))).max(axis=(1, 2))
         # RK4 is stable for |omega dt| < 2.8: the step adapts to the fastest wind (CFL 1.5).
         speed = max(wind[0] + wind[1], wind[2] + wind[3], 1.0) * self.kcut
-        nsub = max(2, int(np.ceil(_DT_SAMPLE * speed / 1.5)))
+        nsub = max(2, int(np.ceil(_DT_SAMPLE * speed / _CFL)))
         dt = _DT_SAMPLE / nsub
         self.steps += nsub
+        hyper = np.exp(-dt * self.hyper_rate)
         for _ in range(nsub):
             k1 = self._tendency(s, tau_eq_h)
             k2 = self._tendency(s + 0.5 * dt * k1, tau_eq_h)
             k3 = self._tendency(s + 0.5 * dt * k2, tau_eq_h)
             k4 = self._tendency(s + dt * k3, tau_eq_h)
             s = s + dt / 6.0 * (k1 + 2 * k2 + 2 * k3 + k4)
-            s = s * self.hyper
+            s = s * hyper
         p1, p2 = self.streamfunctions(s)
         tau = np.fft.irfft2(p1 - p2, s=(self.ny, self.nx))
         m = np.fft.irfft2(s[2:], s=(self.ny, self.nx))

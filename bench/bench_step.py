@@ -1,0 +1,358 @@
+"""Where does a training step's time go? Three timings in one process, interleaved.
+
+    DATA_DIR=data/synthetic python -m bench.bench_step --config cpu_short
+    python -m bench.bench_step --config cpu_short --amp_mode bf16 --enable_fused --enable_jit
+    python -m bench.bench_step --config cpu_short --table      # the README's optimisation ladder
+
+(a) ceiling: one 2048 x 2048 x 2048 `torch.mm` in fp32 and in bf16, best of 3 each;
+(b) bare step: train.py's `train_step` on one random batch kept in memory;
+(c) full step: train.py's loop body: the next batch from the real DataLoader (a new epoch when
+    one ends), copy in, `train_step`, scheduler step.
+Each repetition measures (a) and then (b) and (c) back to back (alternating which goes first),
+so all three see the same machine load; every number printed is a median over repetitions of
+per-repetition values, and the ratios ((c)/(b), fraction of the ceiling) are formed within a
+repetition. Model FLOP/s are analytic: `training_flops_per_sample` (matmul FLOPs of forward and
+backward) x samples/s, so they count useful model work, not what a kernel executes.
+Without a data set under the config's data_dir (or DATA_DIR) the loader reads a temporary
+random one of the same shape as `python -m utils.synthetic_data` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from networks.vit import training_flops_per_sample
+from train import build_model, train_step
+from utils.cli import build_parser, load_params, set_batch_sizes
+from utils.data_loader import get_data_loader
+from utils.profiling import StepProfiler
+from utils.training import (build_optimizer, build_scheduler, grad_scaler, init_process,
+                            seed_everything)
+
+# The --table ladder: each row adds one tutorial optimisation to the row above it.
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    ("baseline (fp32)", {"amp_mode": "none", "enable_fused": False, "enable_jit": False,
+                         "num_data_workers": 0}),
+    ("+ num_data_workers 1", {"num_data_workers": 1}),
+    ("+ bf16 autocast", {"amp_mode": "bf16"}),
+    ("+ fused Adam", {"enable_fused": True}),
+    ("+ torch.compile (enable_jit)", {"enable_jit": True}),
+]
+# The fastest mix of flags measured on a 2-core AVX-512 (bf16) CPU at the cpu_short size.
+BEST_CPU: tuple[str, dict[str, Any]] = (
+    "best CPU: bf16 + fused + compile, workers 0",
+    {"amp_mode": "bf16", "enable_fused": True, "enable_jit": True, "num_data_workers": 0})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MatmulCeiling:
+    """Best-of-`tries` rate of one n x n x n `torch.mm` (2 n^3 FLOPs) in fp32 and bf16."""
+
+    def __init__(self, device: torch.device, n: int = 2048, tries: int = 3):
+        self.device, self.n, self.tries = device, n, tries
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        self.operands = {dt: (a.to(dt), b.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+
+    def gflops(self, dtype: torch.dtype) -> float:
+        a, b = self.operands[dtype]
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(self.tries):
+            sync(self.device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            sync(self.device)
+            best = min(best, time.perf_counter() - start)
+        return 2 * self.n**3 / best / 1e9
+
+
+def write_random_dataset(root: str | os.PathLike, img_size: tuple[int, int], channels: int = 20,
+                         years: int = 2, samples_per_year: int = 128) -> None:
+    """Random fields in the ERA5 layout that `utils.synthetic_data` writes:
+    train/<year>.h5 ("fields", float32, one chunk per sample) and stats/*.npy."""
+    root, (h, w) = Path(root), img_size
+    rng = np.random.default_rng(0)
+    (root / "train").mkdir(parents=True, exist_ok=True)
+    (root / "stats").mkdir(parents=True, exist_ok=True)
+    for year in range(2016, 2016 + years):
+        with h5py.File(root / "train" / f"{year}.h5", "w") as f:
+            ds = f.create_dataset("fields", (samples_per_year, channels, h, w), dtype="f4",
+                                  chunks=(1, channels, h, w))
+            for i in range(samples_per_year):
+                ds[i] = rng.standard_normal((channels, h, w), dtype=np.float32)
+    np.save(root / "stats" / "global_means.npy", np.zeros((1, channels, 1, 1), np.float32))
+    np.save(root / "stats" / "global_stds.npy", np.ones((1, channels, 1, 1), np.float32))
+    np.save(root / "stats" / "time_means.npy", np.zeros((1, channels, h, w), np.float32))
+
+
+def find_data(params: Any) -> tuple[dict[str, str], tempfile.TemporaryDirectory | None]:
+    """Data paths to use: the config's (after DATA_DIR) when the training data and stats
+    exist, else a temporary random data set (returned so the caller keeps it alive)."""
+    keys = ("train_data_path", "global_means_path", "global_stds_path", "time_means_path")
+    paths = {k: params[k] for k in keys}
+    if os.path.isdir(paths["train_data_path"]) and all(
+            os.path.isfile(paths[k]) for k in keys[1:3]):
+        return paths, None
+    tmp = tempfile.TemporaryDirectory(prefix="bench_step_")
+    print(f"no data at {paths['train_data_path']}: timing a temporary random data set "
+          "of the same shape", flush=True)
+    write_random_dataset(tmp.name, tuple(params.img_size), int(params.n_in_channels))
+    root = Path(tmp.name)
+    return {"train_data_path": str(root / "train"),
+            "global_means_path": str(root / "stats" / "global_means.npy"),
+            "global_stds_path": str(root / "stats" / "global_stds.npy"),
+            "time_means_path": str(root / "stats" / "time_means.npy")}, tmp
+
+
+class StepRunner:
+    """One setting, built as train.py builds it (model, optimizer, schedule, loss scaling,
+    loader), plus one random batch in memory for the bare step."""
+
+    def __init__(self, label: str, params: Any, args: argparse.Namespace,
+                 device: torch.device):
+        self.label, self.params, self.device = label, params, device
+        seed_everything(params.seed)
+        self.model = build_model(params, args, device)
+        self.model.train()
+        self.optimizer = build_optimizer(params, self.model)
+        self.scheduler = build_scheduler(params, self.optimizer)
+        self.scaler = grad_scaler(params, device)
+        self.prof = StepProfiler(device, tempfile.gettempdir(), enabled=False)
+        self.loader, _, self.sampler = get_data_loader(params, params.train_data_path, False,
+                                                       train=True)
+        self.epoch, self.batches = 0, iter(())
+        shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
+        self.inp = torch.randn(shape, device=device)
+        self.tar = torch.randn(shape, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.params.local_batch_size)
+
+    def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        return train_step(self.model, self.optimizer, self.scaler, inp, tar, self.params,
+                          self.device, self.prof)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return next(self.batches)
+        except StopIteration:  # end of an epoch: train.py starts the next one like this
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
+            self.batches = iter(self.loader)
+            return next(self.batches)
+
+    def bare(self, n: int) -> float:
+        """Seconds per step of `train_step` on the in-memory batch."""
+        sync(self.device)
+        start = time.perf_counter()
+        for _ in range(n):
+            self._step(self.inp, self.tar)
+        sync(self.device)
+        return (time.perf_counter() - start) / n
+
+    def full(self, n: int) -> float:
+        """Seconds per step of train.py's loop body, loader included."""
+        loss_sum = torch.zeros((), device=self.device)
+        sync(self.device)
+        start = time.perf_counter()
+        for _ in range(n):
+            inp, tar = self._next_batch()
+            inp = inp.to(self.device, non_blocking=True)
+            tar = tar.to(self.device, non_blocking=True)
+            loss_sum += self._step(inp, tar)
+            self.scheduler.step()
+        loss_sum.item()  # train.py reads the loss once per epoch: waits for the device
+        return (time.perf_counter() - start) / n
+
+
+@dataclass
+class Rep:
+    """One repetition of one setting: seconds per step and the ceilings just before."""
+    bare_s: float
+    full_s: float
+    ceil32: float
+    ceil16: float
+
+
+@dataclass
+class Summary:
+    label: str
+    bare_sps: float
+    full_sps: float
+    overhead: float
+    bare_gflops: float
+    gflops: float
+    frac32: float
+    frac16: float
+    ceil32: float
+    ceil16: float
+    reps: int
+
+
+def summarise(label: str, reps: list[Rep], batch: int, flops_per_sample: float) -> Summary:
+    """Medians over repetitions; ratios are taken within a repetition first."""
+    med = statistics.median
+    step_gflop = flops_per_sample * batch / 1e9
+    return Summary(
+        label=label,
+        bare_sps=med(batch / r.bare_s for r in reps),
+        full_sps=med(batch / r.full_s for r in reps),
+        overhead=med(r.full_s / r.bare_s for r in reps),
+        bare_gflops=med(step_gflop / r.bare_s for r in reps),
+        gflops=med(step_gflop / r.full_s for r in reps),
+        frac32=med(step_gflop / r.full_s / r.ceil32 for r in reps),
+        frac16=med(step_gflop / r.full_s / r.ceil16 for r in reps),
+        ceil32=med(r.ceil32 for r in reps), ceil16=med(r.ceil16 for r in reps), reps=len(reps))
+
+
+def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
+            budget_s: float) -> dict[str, list[Rep]]:
+    """Interleaved repetitions: per setting, the ceilings, then bare and full steps."""
+    results: dict[str, list[Rep]] = {r.label: [] for r in runners}
+    start = time.perf_counter()
+    for rep in range(repeats):
+        for runner in runners:
+            c32, c16 = ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)
+            if rep % 2 == 0:
+                bare_s = runner.bare(iters)
+                full_s = runner.full(iters)
+            else:
+                full_s = runner.full(iters)
+                bare_s = runner.bare(iters)
+            results[runner.label].append(Rep(bare_s, full_s, c32, c16))
+        elapsed = time.perf_counter() - start
+        print(f"  repetition {rep + 1}/{repeats} done ({elapsed:.0f} s)", file=sys.stderr,
+              flush=True)
+        if rep >= 1 and elapsed > budget_s:
+            print(f"  time budget of {budget_s:.0f} s used: stopping after {rep + 1} "
+                  "repetitions", file=sys.stderr, flush=True)
+            break
+    return results
+
+
+def machine_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{name}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}")
+
+
+def case_params(args: argparse.Namespace, overrides: dict[str, Any],
+                data_paths: dict[str, str]) -> Any:
+    params = load_params(args)
+    params.update({**overrides, **data_paths})
+    set_batch_sizes(params, 1)
+    return params
+
+
+def print_report(s: Summary, params: Any) -> None:
+    print(f"(a) matmul ceiling, 2048^3 torch.mm: fp32 {s.ceil32:.1f} GFLOP/s, "
+          f"bf16 {s.ceil16:.1f} GFLOP/s")
+    print(f"(b) bare step (in-memory batch): {s.bare_sps:.1f} samples/s, "
+          f"{s.bare_gflops:.1f} GFLOP/s")
+    print(f"(c) full step (loader included): {s.full_sps:.1f} samples/s, "
+          f"{s.gflops:.1f} GFLOP/s")
+    print(f"framework overhead (c)/(b), time per step: {s.overhead:.3f}")
+    print(f"model FLOP/s (c): {s.gflops:.1f} GFLOP/s = {s.frac32:.2f} of the fp32 ceiling, "
+          f"{s.frac16:.2f} of the bf16 ceiling")
+
+
+def print_table(summaries: list[Summary]) -> None:
+    print("| setting | samples/s | overhead (c)/(b) | model GFLOP/s | of fp32 ceiling "
+          "| of bf16 ceiling |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for s in summaries:
+        print(f"| {s.label} | {s.full_sps:.1f} | {s.overhead:.3f} | {s.gflops:.1f} "
+              f"| {s.frac32:.2f} | {s.frac16:.2f} |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser(__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=6,
+                   help="timed steps per setting and repetition (bare and full each)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per setting first (torch.compile compiles here)")
+    p.add_argument("--budget_s", type=float, default=360.0,
+                   help="stop repeating once the timed part took this long (>= 2 repetitions)")
+    p.add_argument("--table", action="store_true",
+                   help="time the optimisation ladder and print a markdown table")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    _, device = init_process()
+    base = load_params(args)
+    data_paths, tmp = find_data(base)
+    flops = training_flops_per_sample(tuple(base.img_size), base.patch_size,
+                                      base.n_in_channels, base.n_out_channels, base.embed_dim,
+                                      base.depth)
+    if args.table:
+        cases, overrides = [], {}
+        for label, change in [*LADDER, BEST_CPU]:
+            overrides = {**overrides, **change} if label != BEST_CPU[0] else dict(change)
+            cases.append((label, case_params(args, overrides, data_paths)))
+    else:
+        p = case_params(args, {}, data_paths)
+        label = (f"amp {p.amp_mode}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, "
+                 f"workers {p.num_data_workers}")
+        cases = [(label, p)]
+
+    batch = int(cases[0][1].local_batch_size)
+    print(f"bench_step: config {args.config}, batch {batch}, "
+          f"{flops / 1e9:.2f} GFLOP per training sample (analytic); {machine_label(device)}")
+    runners = []
+    for label, params in cases:
+        start = time.perf_counter()
+        runner = StepRunner(label, params, args, device)
+        runner.bare(args.warmup)
+        runner.full(args.warmup)
+        runners.append(runner)
+        print(f"  set up and warmed up '{label}' in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    n_params = sum(p.numel() for p in runners[0].model.parameters())
+    ceiling = MatmulCeiling(device)
+    results = measure(runners, ceiling, args.iters, args.repeats, args.budget_s)
+    summaries = [summarise(r.label, results[r.label], r.batch_size, flops) for r in runners]
+    reps = summaries[0].reps
+    print(f"{n_params / 1e6:.2f} M parameters; medians of {reps} interleaved repetitions "
+          f"x {args.iters} steps per setting")
+    if args.table:
+        s0 = summaries[0]
+        print(f"matmul ceiling (2048^3 torch.mm, median of the per-row best-of-3): "
+              f"fp32 {s0.ceil32:.1f} GFLOP/s, bf16 {s0.ceil16:.1f} GFLOP/s\n")
+        print_table(summaries)
+    else:
+        print(f"setting: {summaries[0].label}")
+        print_report(summaries[0], cases[0][1])
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

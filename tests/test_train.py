@@ -1,0 +1,200 @@
+"""train.py end to end on the tiny config: short subprocess runs in each precision and
+optimisation mode, what a run writes (stdout, out.log, TensorBoard), that it learns, and
+that user errors end with exit code 2 and one `error:` line.
+
+Runs are shared where one run can prove several things (the 48-iteration fp32 run backs
+the learning, TensorBoard and out.log tests) to keep this file around a minute.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIG_FILE, run_script
+
+from networks.vit import VisionTransformer
+from utils.training import grad_scaler, lr_factor
+
+EPOCH_LINES = ("Time taken for epoch", "Avg train loss=", "Avg val loss=",
+               "Total validation time:")
+SCALARS = ("Loss/train", "Loss/valid", "RMSE(u10m)/valid", "Learning Rate", "Avg iters per sec",
+           "Avg samples per sec")
+FIGURE = "Visualization, t2m"
+TINY_LR = 1.0e-3
+ITERS_PER_EPOCH = 8  # tiny: limit_nsamples 32 / global batch 4
+
+
+def assert_completed(run, epochs: int = 1) -> None:
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.output[-4000:]}"
+    assert "Traceback" not in run.output, run.output[-4000:]
+    for line in EPOCH_LINES:
+        assert run.stdout.count(line) == epochs, (line, run.stdout[-3000:])
+    assert "Finished" in run.stdout
+
+
+def config_value(run, key: str) -> str:
+    """A value from the configuration block train.py logs at start-up."""
+    m = re.search(rf" - INFO - {re.escape(key)}: (.*)$", run.stdout, re.MULTILINE)
+    assert m, f"{key} not in the logged configuration"
+    return m.group(1).strip()
+
+
+def scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    values = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+              for tag in acc.Tags()["scalars"]}
+    return values, acc.Tags()["images"]
+
+
+# ----------------------------------------------------------------- one run, many facts
+
+@pytest.fixture(scope="module")
+def learning_run(tiny_data, tmp_path_factory):
+    """fp32, 48 iterations = 6 epochs of 8 at the tiny config's lr 1e-3 (cosine to 0)."""
+    return run_script("train.py", ["--config=tiny", "--num_iters=48", "--run_num=7"],
+                      data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("learn_logs"))
+
+
+def test_fp32_run_completes_and_prints_the_epoch_lines(learning_run):
+    assert_completed(learning_run, epochs=48 // ITERS_PER_EPOCH)
+    assert config_value(learning_run, "amp_mode") == "none"
+    assert "Finished 48 iterations" in learning_run.stdout
+
+
+def test_loss_goes_down_over_a_short_run(learning_run):
+    assert_completed(learning_run, epochs=6)
+    initial = float(re.search(r"Initial val loss=([0-9.]+)", learning_run.stdout).group(1))
+    train = [float(v) for v in re.findall(r"Avg train loss=([0-9.]+)", learning_run.stdout)]
+    val = [float(v) for v in re.findall(r"Avg val loss=([0-9.]+)", learning_run.stdout)]
+    # The untrained model's relative L2 error is ~1; 48 steps get clearly below it.
+    assert initial > 0.9
+    assert val[-1] < 0.9 * initial, (initial, val)
+    assert train[-1] < 0.9 * initial, (initial, train)
+    assert train[-1] < train[0] and val[-1] < val[0]
+
+
+def test_tensorboard_holds_the_scalars_and_a_figure(learning_run):
+    logs = learning_run.exp_dir("tiny", 1, "7") / "logs"
+    assert list(logs.glob("events.out.tfevents.*")), f"no event file in {logs}"
+    values, images = scalars(logs)
+    for tag in SCALARS:
+        assert tag in values, (tag, sorted(values))
+    assert FIGURE in images
+    epochs = list(range(8, 49, 8))
+    assert [s for s, _ in values["Loss/valid"]] == [0, *epochs]
+    assert [s for s, _ in values["Loss/train"]] == [0, *epochs]
+    assert [s for s, _ in values["Learning Rate"]] == epochs
+    for tag in SCALARS:
+        assert all(math.isfinite(v) for _, v in values[tag]), tag
+    assert all(v > 0 for _, v in values["Avg iters per sec"])
+    # samples/sec = iters/sec x global batch 4
+    for (_, it), (_, sa) in zip(values["Avg iters per sec"], values["Avg samples per sec"],
+                                strict=True):
+        assert sa == pytest.approx(4 * it, rel=1e-5)
+    # the logged lr follows the cosine schedule: lr(step) = 1e-3 * factor(step)
+    for step, lr in values["Learning Rate"]:
+        assert lr == pytest.approx(TINY_LR * lr_factor(step, 48, 0, "cosine"), abs=1e-9)
+    # step 0 of both loss curves is the untrained model's validation loss
+    assert values["Loss/train"][0][1] == pytest.approx(values["Loss/valid"][0][1])
+    assert values["Loss/valid"][-1][1] < 0.9 * values["Loss/valid"][0][1]
+
+
+def test_out_log_holds_the_epoch_lines(learning_run):
+    out_log = learning_run.exp_dir("tiny", 1, "7") / "out.log"
+    assert out_log.is_file()
+    text = out_log.read_text()
+    for line in EPOCH_LINES:
+        assert text.count(line) == 6, line
+    assert "Initial val loss=" in text and "CUDA not available" in text
+
+
+# ----------------------------------------------------------------- precision and speed flags
+
+def short_run(run_train, *flags: str):
+    return run_train("train.py", ["--config=tiny", f"--num_iters={ITERS_PER_EPOCH}", *flags])
+
+
+def test_bf16_autocast_with_two_data_workers(run_train):
+    run = short_run(run_train, "--amp_mode=bf16", "--num_data_workers=2")
+    assert_completed(run)
+    assert config_value(run, "amp_mode") == "bf16"
+    assert config_value(run, "num_data_workers") == "2"
+
+
+def test_fp16_autocast_with_grad_scaler_and_fused_adam(run_train):
+    run = short_run(run_train, "--amp_mode=fp16", "--enable_fused")
+    assert_completed(run)
+    assert config_value(run, "amp_mode") == "fp16"
+    assert config_value(run, "enable_fused") == "True"
+
+
+def test_torch_compile_run(run_train):
+    # One compile thread: no worker pool to start on a small machine. The first run on a
+    # machine compiles from scratch (tens of seconds); torch's on-disk cache speeds up later
+    # runs.
+    run = run_train("train.py", ["--config=tiny", f"--num_iters={ITERS_PER_EPOCH}",
+                                 "--enable_jit"],
+                    env_extra={"TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=600)
+    assert_completed(run)
+    assert config_value(run, "enable_jit") == "True"
+
+
+def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_path):
+    import train
+
+    from utils.profiling import StepProfiler
+
+    class P:
+        amp_mode = "fp16"
+
+    cpu = torch.device("cpu")
+    for mode, enabled in (("none", False), ("bf16", False), ("fp16", True)):
+        P.amp_mode = mode
+        assert grad_scaler(P, cpu).is_enabled() is enabled, mode
+    P.amp_mode = "fp16"
+    torch.manual_seed(0)
+    model = VisionTransformer((16, 32), 4, 20, 20, 32, 1, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = grad_scaler(P, cpu)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(2, 20, 16, 32), torch.randn(2, 20, 16, 32)
+    prof = StepProfiler(cpu, str(tmp_path), enabled=False)
+    loss = train.train_step(model, optimizer, scaler, x, y, P, cpu, prof)
+    assert torch.isfinite(loss)
+    assert scaler.get_scale() == 65536.0  # finite gradients: no back-off
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------- user errors
+
+def assert_user_error(run, *words: str) -> str:
+    assert run.returncode == 2, f"exit {run.returncode}\n{run.output[-3000:]}"
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: ")
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def test_unknown_config_exits_2_with_one_error_line(run_train):
+    run = run_train("train.py", ["--config=no_such_config"])
+    assert_user_error(run, "no_such_config", "tiny", "cpu_short")
+
+
+def test_missing_data_directory_exits_2_with_one_error_line(run_train, tmp_path):
+    missing = tmp_path / "no_data"
+    run = run_train("train.py", ["--config=tiny"], data_dir=missing)
+    assert_user_error(run, str(missing / "train"), "does not exist")
+
+
+def test_config_file_used_by_the_tests_is_the_repository_one():
+    assert CONFIG_FILE.is_file() and CONFIG_FILE.parent.name == "config"
