@@ -9,8 +9,12 @@ import pytest
 import torch
 from conftest import CONFIG_FILE
 
-from networks.vit import (VisionTransformer, count_parameters, training_flops_per_sample,
-                          vit_from_params)
+from networks.vit import (
+    VisionTransformer,
+    count_parameters,
+    training_flops_per_sample,
+    vit_from_params,
+)
 from utils.cli import build_parser, load_params, set_batch_sizes
 from utils.YParams import DATA_PATH_KEYS, ConfigError, YParams, load_yaml
 

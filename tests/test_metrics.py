@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from utils.loss import l2_loss
-from utils.metrics import (latitude_weights, latitudes, weighted_acc_channels,
-                           weighted_rmse_channels)
+from utils.metrics import latitude_weights, latitudes, weighted_acc_channels, weighted_rmse_channels
 
 RTOL, ATOL = 1e-5, 1e-6
 B, C, H, W = 3, 4, 17, 24  # odd H: a row on the equator

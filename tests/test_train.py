@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG_FILE, run_script
+from conftest import run_script
 
 from networks.vit import VisionTransformer
 from utils.training import grad_scaler, lr_factor
@@ -148,7 +148,6 @@ def test_torch_compile_run(run_train):
 
 def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_path):
     import train
-
     from utils.profiling import StepProfiler
 
     class P:
@@ -194,7 +193,3 @@ def test_missing_data_directory_exits_2_with_one_error_line(run_train, tmp_path)
     missing = tmp_path / "no_data"
     run = run_train("train.py", ["--config=tiny"], data_dir=missing)
     assert_user_error(run, str(missing / "train"), "does not exist")
-
-
-def test_config_file_used_by_the_tests_is_the_repository_one():
-    assert CONFIG_FILE.is_file() and CONFIG_FILE.parent.name == "config"

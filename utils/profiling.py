@@ -78,4 +78,10 @@ class StepProfiler:
         self._torch_prof.__exit__(None, None, None)
         log.info(f"torch.profiler trace written to {self.trace_dir}/ "
                  "(open with `tensorboard --logdir` or ui.perfetto.dev)")
+        log.info("Time per range and top operators in the window:\n" + self.summary())
         self._torch_prof = None
+
+    def summary(self, rows: int = 12) -> str:
+        """The step's named ranges and the costliest operators, as a text table."""
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        return self._torch_prof.key_averages().table(sort_by=sort, row_limit=rows)

@@ -1,0 +1,29 @@
+"""ENABLE_PROFILING=1 on CPU: a torch.profiler trace of the chosen window, with the same
+range names the GPU path gives Nsight Systems through NVTX."""
+
+from __future__ import annotations
+
+import json
+
+RANGES = ("forward", "backward", "optimizer", "data copy in")
+
+
+def test_profiled_tiny_run_writes_a_trace_with_the_step_ranges(run_train):
+    run = run_train("train.py", ["--config=tiny", "--num_iters=8"],
+                    env_extra={"ENABLE_PROFILING": "1", "PROFILE_OUTPUT": "tinyprof",
+                               "PROFILE_EPOCH": "1"})
+    assert run.returncode == 0, run.output
+    assert "torch.profiler trace written to" in run.output
+    traces = list((run.exp_dir("tiny") / "profile").glob("tinyprof_rank0*.pt.trace.json"))
+    assert len(traces) == 1, traces
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    for name in RANGES:
+        assert name in names, f"range '{name}' missing from the trace"
+    assert sum(1 for n in names if n and n.startswith("step ")) == 8  # one range per step
+    assert "Time per range and top operators" in run.output
+
+
+def test_without_profiling_no_trace_is_written(run_train):
+    run = run_train("train.py", ["--config=tiny", "--num_iters=4"])
+    assert run.returncode == 0, run.output
+    assert not (run.exp_dir("tiny") / "profile").exists()
