@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
 import zlib
 
 import torch
@@ -173,12 +174,19 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
                 full = torch.zeros(shape)
             else:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = nn.init.trunc_normal_(torch.empty(shape), std=0.02, a=-0.04, b=0.04,
-                                             generator=gen)
+                full = _truncated_normal(shape, std=0.02, generator=gen)
             if hasattr(p, "sharded_dims_mp"):
                 full = shard_tensor(full, p)
             with torch.no_grad():
                 p.copy_(full)
+
+
+def _truncated_normal(shape: list[int], std: float, generator: torch.Generator) -> torch.Tensor:
+    """N(0, std) truncated at +-2 std by inverting the CDF of a uniform draw: one pass,
+    no rejection loop, so initialising a large model takes well under a second."""
+    lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))
+    u = torch.empty(shape).uniform_(lo, 1.0 - lo, generator=generator)
+    return torch.erfinv(2.0 * u - 1.0).mul_(math.sqrt(2.0) * std)
 
 
 def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,

@@ -53,6 +53,10 @@ run_tasks() {
     echo "site=$SITE job=${SLURM_JOB_ID:-} nodes=${SLURM_JOB_NUM_NODES:-?} tasks=${SLURM_NTASKS:-?}" \
          "python=$PYTHON data=$DATA_DIR logs=$LOG_DIR"
     echo "+ srun $SITE_SRUN_ARGS $SITE_LAUNCHER $PYTHON $*"
+    # No `srun -u`: it runs tasks on a pseudo-terminal, whose output srun forwards in chunks
+    # that can cut lines of different ranks into each other. srun's default forwards whole
+    # lines; PYTHONUNBUFFERED keeps them prompt.
     # shellcheck disable=SC2086  # SITE_SRUN_ARGS / SITE_LAUNCHER are word lists
-    srun -u --kill-on-bad-exit=1 $SITE_SRUN_ARGS $SITE_LAUNCHER bash -c "$_TASK" task "$@"
+    PYTHONUNBUFFERED=1 srun --kill-on-bad-exit=1 $SITE_SRUN_ARGS $SITE_LAUNCHER \
+        bash -c "$_TASK" task "$@"
 }

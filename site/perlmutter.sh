@@ -1,6 +1,7 @@
 # Site preset: NERSC Perlmutter GPU nodes (4x A100, 64 cores), the tutorial's settings.
 # Same variables as site/generic.sh (the commented template); values already in the
-# environment win over the defaults below.
+# environment win over the defaults below (another image: SITE_IMAGE=...,
+# SITE_SHIFTER_MODULES=...).
 #
 # Use (once per login shell, then the tutorial's command lines work verbatim):
 #     source site/perlmutter.sh

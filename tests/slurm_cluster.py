@@ -122,17 +122,20 @@ def ensure_packages(timeout: float = 300.0, log=print) -> None:
     steps = (["apt-get", "-q", "-o", "DPkg::Lock::Timeout=60", "update"],
              ["apt-get", "-q", "-y", "-o", "DPkg::Lock::Timeout=60", "install",
               "--no-install-recommends", *PACKAGES])
+    notes = []
     for cmd in steps:
         left = deadline - time.monotonic()
         try:
             r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, timeout=max(left, 1.0))
         except subprocess.TimeoutExpired:
-            raise ClusterUnavailable(f"`{' '.join(cmd[:4])}` took over {timeout:.0f} s "
-                                     "(no package access?)") from None
+            raise ClusterUnavailable(f"`{' '.join(cmd[:5])}` took over {timeout:.0f} s "
+                                     f"(no package access?) {' '.join(notes)}") from None
         if r.returncode != 0:
             tail = " | ".join(r.stdout.strip().splitlines()[-3:])
-            raise ClusterUnavailable(f"`{' '.join(cmd)}` failed ({r.returncode}): {tail}")
+            notes.append(f"`{' '.join(cmd[:5])}` failed ({r.returncode}): {tail}")
+            if cmd[-1] != "update":  # a failed update may still leave usable package lists
+                raise ClusterUnavailable(" ".join(notes))
     still = [b for b in DAEMONS + CLIENTS if _which(b) is None]
     if still:
         raise ClusterUnavailable(f"{', '.join(still)} still missing after installing "
@@ -335,6 +338,8 @@ class SlurmCluster:
         try:
             if self.conf:
                 self._cancel_all(timeout=15)
+        except (OSError, subprocess.SubprocessError) as e:
+            self.log(f"slurm_cluster: cancelling the jobs failed ({e}); stopping anyway")
         finally:
             pids = []
             for path in self._pid_files():

@@ -23,6 +23,16 @@ from utils.errors import EXIT_USER_ERROR, exit_on_user_error
 ATOL = 1e-6
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The comparisons here are small tensor ops: on a couple of shared cores, torch's
+    intra-op threads only add waiting (several times slower when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def dali(params, train=True, workers=0, num_replicas=1, rank=0):
     params.num_data_workers = workers
     path = params.train_data_path if train else params.valid_data_path

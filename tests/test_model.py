@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CONFIG_FILE
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from networks.vit import VisionTransformer, count_parameters, training_flops_per_sample
+from networks.vit import (
+    VisionTransformer,
+    count_parameters,
+    training_flops_per_sample,
+    vit_from_params,
+)
+from utils.YParams import YParams
 
 # (img_size, patch, embed, heads, depth)
 SHAPES = [
@@ -91,18 +98,29 @@ def test_training_flops_are_three_times_torchs_forward_flop_count(img, patch, em
 
 
 def test_model_is_deterministic_given_the_seed():
-    def build(seed: int) -> VisionTransformer:
-        torch.manual_seed(seed)
-        return VisionTransformer((16, 32), 4, 20, 20, 32, 2, 4)
+    """The weights depend only on the `seed` argument, not on torch's global RNG."""
+    def build(seed: int, global_seed: int) -> VisionTransformer:
+        torch.manual_seed(global_seed)
+        return VisionTransformer((16, 32), 4, 20, 20, 32, 2, 4, seed=seed)
 
-    a, b, c = build(0), build(0), build(1)
+    a, b, c = build(0, global_seed=0), build(0, global_seed=123), build(1, global_seed=0)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.pos_embed, c.pos_embed)
+    assert not torch.equal(a.head.weight, c.head.weight)
     x = torch.randn(3, 20, 16, 32, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(a(x), b(x))
         assert not torch.equal(a(x), c(x))
+
+
+def test_vit_from_params_uses_the_config_seed():
+    params = YParams(CONFIG_FILE, "tiny", environ={})
+    params.seed = 3
+    a = vit_from_params(params)
+    b = VisionTransformer((16, 32), 4, 20, 20, 32, 2, 4, seed=3)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
 
 
 def test_one_sample_output_does_not_depend_on_the_rest_of_the_batch():

@@ -162,17 +162,22 @@ def test_site_selection(tmp_path):
 
 
 # --------------------------------------------------------------------------- cluster
+def _no_cluster(error: ClusterUnavailable) -> None:
+    """Skip, visibly: in the summary (-ra), as a warning and on stderr."""
+    reason = f"no SLURM cluster on this machine: {error}"
+    if os.environ.get("SLURM_TESTS_REQUIRED"):
+        pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
+    print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
+    warnings.warn(reason, stacklevel=2)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     try:
         c = SlurmCluster(nodes=1).start()
     except ClusterUnavailable as e:
-        reason = f"no SLURM cluster on this machine: {e}"
-        if os.environ.get("SLURM_TESTS_REQUIRED"):
-            pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
-        print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
-        warnings.warn(reason, stacklevel=1)
-        pytest.skip(reason)
+        _no_cluster(e)
     yield c
     c.stop()
 
@@ -212,19 +217,34 @@ def _out_opt(workdir: Path) -> str:
     return f"--output={workdir}/%x-%j.out"
 
 
+PREEMPT_ITERS = 24
+
+
 @pytest.fixture(scope="module")
 def training_jobs(cluster, dataset, workdir):
-    """The three training jobs, submitted together (they share the node's 8 slots)."""
-    env = _job_env(cluster, workdir, DATA_DIR=str(dataset))
+    """All training jobs, submitted together so that they overlap (6 of the node's 8 slots):
+    the tests then only wait for them."""
+    def env(name: str) -> dict[str, str | None]:  # one log directory per job
+        return _job_env(cluster, workdir, DATA_DIR=str(dataset),
+                        LOG_DIR=str(workdir / "logs" / name))
+
     two_tasks = ["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)]
+    # dp and mp share the node at the same time: the per-job default MASTER_PORT matters
     return {
+        # --requeue/--resume: on SIGUSR1 checkpoint, requeue the job, resume in the rerun
+        "preempt": cluster.submit("submit_pm.sh", ["--config=tiny",
+                                                   f"--num_iters={PREEMPT_ITERS}",
+                                                   "--requeue", "--resume"],
+                                  env=env("preempt"), cwd=str(REPO),
+                                  sbatch_opts=["--open-mode=append", _out_opt(workdir)]),
         "single": cluster.submit("submit_pm.sh", ["--yaml_config=config/ViT.yaml",
                                                   "--config=tiny"],
-                                 env=env, sbatch_opts=[_out_opt(workdir)], cwd=str(REPO)),
-        "dp": cluster.submit("submit_pm_dp.sh", ["--config=tiny"], env=env,
+                                 env=env("single"), sbatch_opts=[_out_opt(workdir)],
+                                 cwd=str(REPO)),
+        "dp": cluster.submit("submit_pm_dp.sh", ["--config=tiny"], env=env("dp"),
                              sbatch_opts=two_tasks, cwd=str(REPO)),
         "mp": cluster.submit("submit_pm_mp.sh", ["--config=tiny", "--row_parallel_size=2"],
-                             env=env, sbatch_opts=two_tasks, cwd=str(REPO)),
+                             env=env("mp"), sbatch_opts=two_tasks, cwd=str(REPO)),
     }
 
 
@@ -238,6 +258,25 @@ def _finished_ok(cluster: SlurmCluster, job: int, timeout: float = JOB_TIMEOUT) 
         f"job {job}: {state} exit {code}\n--- job output\n{out[-4000:]}\n" \
         f"--- daemons\n{cluster.daemon_logs(10)}"
     return out
+
+
+def test_preemption_requeue_resume(cluster, training_jobs):
+    """The tutorial's preemption path under real SLURM: USR1 to the tasks -> train.py saves
+    a checkpoint and requeues its own job -> the rerun (same arguments) resumes there.
+    First of the job tests: the signal has to arrive while the job is still training."""
+    job = training_jobs["preempt"]
+    try:
+        cluster.wait_output(job, "Time taken for epoch 1 ", timeout=JOB_TIMEOUT)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit
+    out = _finished_ok(cluster, job)
+    stopped = re.search(r"stopped at iteration (\d+)", out)
+    resumed = re.search(r"Resumed from \S+: iteration (\d+)", out)
+    assert stopped and resumed, out[-4000:]
+    assert stopped.group(1) == resumed.group(1)
+    assert out.count("site=generic") == 2  # two runs of the batch script, one output file
+    assert f"Finished {PREEMPT_ITERS} iterations" in out
 
 
 def test_single_process_job(cluster, training_jobs):
@@ -267,28 +306,6 @@ def test_model_parallel_job(cluster, training_jobs):
     assert "world size 2 (env launcher)" in out, out[-3000:]
     assert "local batch 4" in out  # dp = 1: each rank sees the whole global batch
     assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
-
-
-def test_preemption_requeue_resume(cluster, dataset, workdir):
-    """The tutorial's preemption path under real SLURM: USR1 to the tasks -> train.py saves
-    a checkpoint and requeues its own job -> the rerun (same arguments) resumes there."""
-    env = _job_env(cluster, workdir, DATA_DIR=str(dataset), LOG_DIR=str(workdir / "preempt"))
-    job = cluster.submit("submit_pm.sh", ["--config=tiny", "--num_iters=32", "--requeue",
-                                          "--resume"],
-                         env=env, sbatch_opts=["--open-mode=append", _out_opt(workdir)],
-                         cwd=str(REPO))
-    try:
-        cluster.wait_output(job, "Time taken for epoch 1 ", timeout=JOB_TIMEOUT)
-    except TimeoutError as e:
-        pytest.fail(str(e))
-    cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit
-    out = _finished_ok(cluster, job)
-    stopped = re.search(r"stopped at iteration (\d+)", out)
-    resumed = re.search(r"Resumed from \S+: iteration (\d+)", out)
-    assert stopped and resumed, out[-4000:]
-    assert stopped.group(1) == resumed.group(1)
-    assert out.count("site=generic") == 2  # two runs of the batch script, one output file
-    assert "Finished 32 iterations" in out
 
 
 def test_export_ddp_vars_with_scontrol(cluster):
@@ -333,7 +350,7 @@ def test_two_node_model_parallel_layout(workdir):
     try:
         c = SlurmCluster(nodes=2).start()
     except ClusterUnavailable as e:
-        pytest.skip(f"no SLURM cluster on this machine: {e}")
+        _no_cluster(e)
     try:
         env = _job_env(c, workdir, rendezvous=False, TRAIN_SCRIPT=str(probe), ENABLE_PROFILING="1",
                        PROFILE_OUTPUT="probe")

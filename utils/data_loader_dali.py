@@ -34,6 +34,7 @@ class in this importable module, and the script that builds the loader needs the
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import weakref
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ import torch
 
 from utils.data_loader import DataError, ERA5Dataset, ShardSampler
 from utils.YParams import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class DALIUnavailableError(ConfigError):
@@ -191,6 +194,9 @@ class DALILoader:
         if batch >= self.batches_per_epoch:  # resumed at the very end of an epoch
             return
         if self._pipe is None or self._at != (epoch, batch):
+            if self._pipe is not None:  # costs a worker start-up: worth a line in the log
+                log.info(f"DALI pipeline restarted at epoch {epoch}, batch {batch} "
+                         f"(it stood at epoch {self._at[0]}, batch {self._at[1]})")
             self._build(epoch, batch)
         for b in range(batch, self.batches_per_epoch):
             inp, tar = self._pipe.run()
