@@ -20,18 +20,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from networks.vit import vit_from_params
 from utils import comm
-from utils.checkpoint import Checkpointer, latest_checkpoint
+from utils.checkpoint import Checkpointer, resolve_resume
 from utils.cli import build_parser, load_params, set_batch_sizes
-from utils.data_loader import get_data_loader
+from utils.data_loader import DataError, get_data_loader
 from utils.errors import exit_on_user_error
 from utils.logging_utils import config_logger, log_to_file
 from utils.loss import l2_loss
 from utils.preemption import EXIT_PREEMPTED, StopSignal, requeue_slurm_job
 from utils.profiling import StepProfiler
 from utils.run_log import RunLog
-from utils.training import (Normaliser, autocast, build_optimizer, build_scheduler,
-                            describe_device, experiment_dir, grad_scaler, init_process,
-                            peak_memory_gb, seed_everything, validate)
+from utils.training import (
+    NonFiniteLoss,
+    Normaliser,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    describe_device,
+    experiment_dir,
+    grad_scaler,
+    init_process,
+    peak_memory_gb,
+    seed_everything,
+    validate,
+)
+from utils.YParams import ConfigError
 
 log = logging.getLogger("train")
 
@@ -91,13 +103,25 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
     scaler = grad_scaler(params, device)
     ckpt = Checkpointer(exp_dir, params, model, optimizer, scheduler, scaler,
                         **(checkpoint_hooks or {}))
+    # Where the loop stands: iterations done, the current epoch, batches done in it, and
+    # this rank's loss summed over them. A checkpoint holds all of it (a resume continues
+    # mid-epoch and logs the same epoch averages).
     iters, epoch, epoch_step = 0, 0, 0
-    resume = args.resume if args.resume != "auto" else latest_checkpoint(exp_dir)
+    loss_sum, step_count = torch.zeros((), device=device), 0
+    resume = resolve_resume(args.resume, exp_dir, requeue=args.requeue)
     if resume:
-        iters, epoch, epoch_step = ckpt.restore(resume).values()
+        state = ckpt.restore(resume)
+        iters, epoch, epoch_step = state["iters"], state["epoch"], state["epoch_step"]
+        loss_sum, step_count = state["loss_sum"], state["step_count"]
     stop = StopSignal()
+    nonfinite = NonFiniteLoss(device)
     prof = StepProfiler(device, exp_dir, rank=world_rank)
-    run = RunLog(exp_dir, enabled=world_rank == 0, purge_step=iters + 1 if resume else None)
+    # purge_step: a resumed run first drops the TensorBoard events that the interrupted run
+    # wrote after its checkpoint, so that every curve is one line without repeated steps.
+    # Events at step `iters` itself are kept, unless that step's end-of-epoch work is still
+    # to do (epoch_step != 0): then this run writes them again.
+    purge = (iters if epoch_step else iters + 1) if resume else None
+    run = RunLog(exp_dir, enabled=world_rank == 0, purge_step=purge)
     t2m = (norm.means[0, 2].item(), norm.stds[0, 2].item())
 
     # ---- step 0: initial losses, so every curve starts from the untrained model
@@ -110,19 +134,23 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
 
     # ---- training loop: num_iters optimizer steps, in epochs over the training data
     steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise DataError(f"{params.train_data_path}: fewer training samples per data-parallel "
+                        f"rank than the local batch size {params.local_batch_size}")
     last_epoch = math.ceil(params.num_iters / steps_per_epoch)
     interval = int(params.checkpoint_interval or 0)
     log.info(f"Starting training loop: {params.num_iters} iterations, "
              f"{steps_per_epoch} per epoch")
-    while iters < params.num_iters:
-        if epoch_step == 0 or epoch_step >= steps_per_epoch:
-            epoch, epoch_step = epoch + 1, 0
-        train_sampler.set_epoch(epoch, skip_batches=epoch_step)
+    # epoch_step != 0 only when a resumed run starts inside an epoch: it finishes that epoch
+    # (at least its end-of-epoch work, when the checkpoint came at its last step) first.
+    while iters < params.num_iters or epoch_step != 0:
+        if epoch_step == 0:  # the previous epoch is complete: start the next one
+            epoch, loss_sum, step_count = epoch + 1, torch.zeros((), device=device), 0
+        train_sampler.set_epoch(epoch, skip_batches=epoch_step)  # skip the batches done
         model.train()
         prof.epoch_start(epoch, last_epoch)
-        start, step_count = time.time(), 0
-        loss_sum = torch.zeros((), device=device)
-        for inp, tar in train_loader:
+        start, timed_steps = time.time(), 0
+        for inp, tar in train_loader if iters < params.num_iters else ():
             with prof.range(f"step {iters}"):
                 with prof.range("data copy in"):
                     inp = inp.to(device, non_blocking=True)
@@ -131,12 +159,19 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
             scheduler.step()
             loss_sum += loss
             iters, epoch_step, step_count = iters + 1, epoch_step + 1, step_count + 1
+            timed_steps += 1
+            nonfinite.record(loss, iters)  # on the device: no host sync here
             if iters == 1:
                 log.info(f"Memory after the first step {peak_memory_gb(device):.2f} GB")
-            if interval and iters % interval == 0:
-                ckpt.save(iters, epoch, epoch_step)
-            if stop.should_stop(device):
-                ckpt.save(iters, epoch, epoch_step)
+            # Every rank agrees (one all-reduce) whether any rank got SIGUSR1/SIGTERM.
+            stopping = stop.should_stop(device)
+            save = stopping or (interval > 0 and iters % interval == 0
+                                and iters < params.num_iters)  # the end saves anyway
+            if save or nonfinite.due(iters):
+                nonfinite.check(ckpt.last_saved)  # never save after a NaN/inf loss
+            if save:
+                ckpt.save(iters, epoch, epoch_step, loss_sum, step_count)
+            if stopping:
                 log.info(f"Signal {stop.received} received: stopped at iteration {iters}")
                 if args.requeue and world_rank == 0:
                     requeue_slurm_job()
@@ -144,24 +179,23 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
             if iters >= params.num_iters:
                 break
         prof.epoch_end()
-        train_time = time.time() - start
+        nonfinite.check(ckpt.last_saved)
+        train_time = max(time.time() - start, 1e-9)
         train_loss = loss_sum / max(step_count, 1)
         if distributed:  # average over data-parallel ranks for the log
             dist.all_reduce(train_loss, group=comm.get_group("dp"))
             train_loss /= comm.get_size("dp")
         train_loss = train_loss.item()
-        if not math.isfinite(train_loss):
-            raise FloatingPointError(f"training loss is {train_loss} in epoch {epoch}: stopped; "
-                                     "the last checkpoint is kept (try a lower lr or bf16)")
 
         val_start = time.time()
         val = validate(model, val_loader, device, params, norm, comm.get_group("dp"))
         val_time = time.time() - val_start
-        run.epoch(epoch, iters, train_time, step_count * params.global_batch_size, step_count,
+        run.epoch(epoch, iters, train_time, timed_steps * params.global_batch_size, timed_steps,
                   train_loss, scheduler.get_last_lr()[0], val, val_time)
         run.validation(iters, val, t2m)
+        epoch_step = 0  # this epoch is done, end-of-epoch work included
 
-    ckpt.save(iters, epoch, epoch_step)
+    ckpt.save(iters, epoch, epoch_step, loss_sum, step_count)
     log.info(f"Finished {iters} iterations; peak memory {peak_memory_gb(device):.2f} GB")
     run.close()
 
@@ -173,9 +207,19 @@ def setup_run(params, env, device):
     set_batch_sizes(params, comm.get_size("dp"))
     seed_everything(params.seed)
     exp_dir = experiment_dir(params, world_size, device)
+    error: list[str | None] = [None]
     if world_rank == 0:
-        os.makedirs(exp_dir, exist_ok=True)
-        log_to_file(os.path.join(exp_dir, "out.log"))
+        try:
+            os.makedirs(exp_dir, exist_ok=True)
+            log_to_file(os.path.join(exp_dir, "out.log"))
+        except OSError as e:
+            error[0] = f"cannot write the run directory {exp_dir} ({e.strerror or e}): " \
+                       "set LOG_DIR (or expdir in the config) to a writable directory"
+    if dist.is_initialized():  # every rank stops with rank 0, none waits for it
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ConfigError(error[0])
+    if world_rank == 0:
         log.info(describe_device(device))
         log.info(f"world size {world_size} ({env.launcher} launcher), "
                  f"global batch {params.global_batch_size}, local batch {params.local_batch_size}")

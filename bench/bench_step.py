@@ -38,8 +38,13 @@ from train import build_model, train_step
 from utils.cli import build_parser, load_params, set_batch_sizes
 from utils.data_loader import get_data_loader
 from utils.profiling import StepProfiler
-from utils.training import (build_optimizer, build_scheduler, grad_scaler, init_process,
-                            seed_everything)
+from utils.training import (
+    build_optimizer,
+    build_scheduler,
+    grad_scaler,
+    init_process,
+    seed_everything,
+)
 
 # The --table ladder: each row adds one tutorial optimisation to the row above it.
 LADDER: list[tuple[str, dict[str, Any]]] = [
@@ -183,8 +188,8 @@ class StepRunner:
 
 
 @dataclass
-class Rep:
-    """One repetition of one setting: seconds per step and the ceilings just before."""
+class Pair:
+    """One bare and one full step, back to back, and the ceilings measured just before."""
     bare_s: float
     full_s: float
     ceil32: float
@@ -203,40 +208,44 @@ class Summary:
     frac16: float
     ceil32: float
     ceil16: float
-    reps: int
+    pairs: int
 
 
-def summarise(label: str, reps: list[Rep], batch: int, flops_per_sample: float) -> Summary:
-    """Medians over repetitions; ratios are taken within a repetition first."""
+def summarise(label: str, pairs: list[Pair], batch: int, flops_per_sample: float) -> Summary:
+    """Medians over step pairs; ratios are formed within a pair first."""
     med = statistics.median
     step_gflop = flops_per_sample * batch / 1e9
     return Summary(
         label=label,
-        bare_sps=med(batch / r.bare_s for r in reps),
-        full_sps=med(batch / r.full_s for r in reps),
-        overhead=med(r.full_s / r.bare_s for r in reps),
-        bare_gflops=med(step_gflop / r.bare_s for r in reps),
-        gflops=med(step_gflop / r.full_s for r in reps),
-        frac32=med(step_gflop / r.full_s / r.ceil32 for r in reps),
-        frac16=med(step_gflop / r.full_s / r.ceil16 for r in reps),
-        ceil32=med(r.ceil32 for r in reps), ceil16=med(r.ceil16 for r in reps), reps=len(reps))
+        bare_sps=batch / med(p.bare_s for p in pairs),
+        full_sps=batch / med(p.full_s for p in pairs),
+        overhead=med(p.full_s / p.bare_s for p in pairs),
+        bare_gflops=step_gflop / med(p.bare_s for p in pairs),
+        gflops=step_gflop / med(p.full_s for p in pairs),
+        frac32=med(step_gflop / p.full_s / p.ceil32 for p in pairs),
+        frac16=med(step_gflop / p.full_s / p.ceil16 for p in pairs),
+        ceil32=med(p.ceil32 for p in pairs), ceil16=med(p.ceil16 for p in pairs),
+        pairs=len(pairs))
 
 
 def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
-            budget_s: float) -> dict[str, list[Rep]]:
-    """Interleaved repetitions: per setting, the ceilings, then bare and full steps."""
-    results: dict[str, list[Rep]] = {r.label: [] for r in runners}
+            budget_s: float) -> dict[str, list[Pair]]:
+    """Interleaved repetitions: per setting, the ceilings, then `iters` pairs of one bare and
+    one full step (alternating which goes first): every ratio compares neighbours in time,
+    and medians drop the steps that another process on the machine happened to slow down."""
+    results: dict[str, list[Pair]] = {r.label: [] for r in runners}
     start = time.perf_counter()
     for rep in range(repeats):
         for runner in runners:
             c32, c16 = ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)
-            if rep % 2 == 0:
-                bare_s = runner.bare(iters)
-                full_s = runner.full(iters)
-            else:
-                full_s = runner.full(iters)
-                bare_s = runner.bare(iters)
-            results[runner.label].append(Rep(bare_s, full_s, c32, c16))
+            for i in range(iters):
+                if i % 2 == 0:
+                    bare_s = runner.bare(1)
+                    full_s = runner.full(1)
+                else:
+                    full_s = runner.full(1)
+                    bare_s = runner.bare(1)
+                results[runner.label].append(Pair(bare_s, full_s, c32, c16))
         elapsed = time.perf_counter() - start
         print(f"  repetition {rep + 1}/{repeats} done ({elapsed:.0f} s)", file=sys.stderr,
               flush=True)
@@ -339,9 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     ceiling = MatmulCeiling(device)
     results = measure(runners, ceiling, args.iters, args.repeats, args.budget_s)
     summaries = [summarise(r.label, results[r.label], r.batch_size, flops) for r in runners]
-    reps = summaries[0].reps
-    print(f"{n_params / 1e6:.2f} M parameters; medians of {reps} interleaved repetitions "
-          f"x {args.iters} steps per setting")
+    print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].pairs} interleaved "
+          f"(bare, full) step pairs per setting ({args.iters} per repetition)")
     if args.table:
         s0 = summaries[0]
         print(f"matmul ceiling (2048^3 torch.mm, median of the per-row best-of-3): "

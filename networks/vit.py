@@ -27,7 +27,26 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        # (B, N, D). Made contiguous once here: a transposed token stream would stay
+        # transposed through every residual add and make each LayerNorm (forward and
+        # backward) copy its input, ~3% of a CPU step.
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              dropout_p: float = 0.0) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` with the tutorial's device-dependent precision policy.
+
+    On CPU under autocast, attention runs in fp32 while the linear layers around it stay
+    bf16: the CPU flash-attention backward is several times slower in bf16 than in fp32,
+    whereas bf16 matmuls are faster, so this is the fast mix. On CUDA reduced-precision
+    SDPA is kept (flash attention is fast there).
+    """
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
 
 
 class Attention(nn.Module):
@@ -43,9 +62,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
-        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (B, heads, N, head_dim)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        # Split along the "3" axis first: in backward the three gradients are then stacked
+        # straight into qkv's (B, N, 3, heads, head_dim) layout, with no extra copy.
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # each (B, heads, N, head_dim)
+        x = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
 

@@ -1,7 +1,9 @@
 """The SLURM submit scripts, for real: a private SLURM cluster on this machine
-(tests/slurm_cluster.py) runs submit_pm.sh and submit_pm_dp.sh with the generic site preset
-on a tiny synthetic dataset, plus checks that need no cluster (export_DDP_vars.sh, the
-portability of the #SBATCH lines, the site presets).
+(tests/slurm_cluster.py) runs submit_pm.sh, submit_pm_dp.sh (2 tasks) and submit_pm_mp.sh
+(tp 2) with the generic site preset on a tiny synthetic dataset, a preempted job that
+checkpoints, requeues itself and resumes, and submit_pm_mp.sh on two nodes with a probe
+script; plus checks that need no cluster (export_DDP_vars.sh, the portability of the
+#SBATCH lines, the site presets and how one is chosen).
 
 The cluster needs root and the Debian packages slurmctld, slurmd, slurm-client and munge
 (installed with apt-get when missing). Where it cannot exist the cluster tests are skipped
@@ -217,7 +219,7 @@ def _out_opt(workdir: Path) -> str:
     return f"--output={workdir}/%x-%j.out"
 
 
-PREEMPT_ITERS = 24
+PREEMPT_ITERS = 40  # 5 epochs: the signal lands long before the end, even on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -231,10 +233,10 @@ def training_jobs(cluster, dataset, workdir):
     two_tasks = ["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)]
     # dp and mp share the node at the same time: the per-job default MASTER_PORT matters
     return {
-        # --requeue/--resume: on SIGUSR1 checkpoint, requeue the job, resume in the rerun
+        # --requeue: on SIGUSR1 checkpoint and requeue the job; the rerun (SLURM_RESTART_COUNT
+        # > 0) resumes from the newest checkpoint
         "preempt": cluster.submit("submit_pm.sh", ["--config=tiny",
-                                                   f"--num_iters={PREEMPT_ITERS}",
-                                                   "--requeue", "--resume"],
+                                                   f"--num_iters={PREEMPT_ITERS}", "--requeue"],
                                   env=env("preempt"), cwd=str(REPO),
                                   sbatch_opts=["--open-mode=append", _out_opt(workdir)]),
         "single": cluster.submit("submit_pm.sh", ["--yaml_config=config/ViT.yaml",
@@ -265,8 +267,8 @@ def test_preemption_requeue_resume(cluster, training_jobs):
     a checkpoint and requeues its own job -> the rerun (same arguments) resumes there.
     First of the job tests: the signal has to arrive while the job is still training."""
     job = training_jobs["preempt"]
-    try:
-        cluster.wait_output(job, "Time taken for epoch 1 ", timeout=JOB_TIMEOUT)
+    try:  # logged after the first training step: the stop signal handler is in place
+        cluster.wait_output(job, "Memory after the first step", timeout=JOB_TIMEOUT)
     except TimeoutError as e:
         pytest.fail(str(e))
     cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit
@@ -275,6 +277,7 @@ def test_preemption_requeue_resume(cluster, training_jobs):
     resumed = re.search(r"Resumed from \S+: iteration (\d+)", out)
     assert stopped and resumed, out[-4000:]
     assert stopped.group(1) == resumed.group(1)
+    assert "SLURM restart 1 " in out  # the rerun saw SLURM_RESTART_COUNT=1
     assert out.count("site=generic") == 2  # two runs of the batch script, one output file
     assert f"Finished {PREEMPT_ITERS} iterations" in out
 

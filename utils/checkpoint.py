@@ -2,11 +2,17 @@
 
 A checkpoint holds the full (unsharded) model and optimizer tensors keyed by parameter
 name, so a run saved with one parallel layout resumes with another. It also holds the
-schedule, loss scaler, iteration, data position (epoch, batches done in it) and every
-rank's RNG states, so an interrupted run continues exactly where it stopped.
+schedule, loss scaler, iteration, data position (epoch, batches done in it), and for every
+rank its RNG states and its partial epoch loss, so an interrupted run continues exactly
+where it stopped: same batches, same losses, bitwise the same parameters (same layout).
 
-Files: <exp_dir>/checkpoints/ckpt_<iters:08d>.pt; `latest` is the newest complete file.
-A save writes `<name>.tmp` and renames it: a crash mid-save leaves the previous files intact.
+Files: <exp_dir>/checkpoints/ckpt_<iters:08d>.pt, the newest is the one `--resume` (auto)
+takes. A save writes `<name>.tmp.<pid>`, fsyncs it and renames it over `<name>`: a crash or
+kill mid-save leaves every earlier file intact (only the stray .tmp file, removed by the
+next save). Parameters that are NaN/inf are never saved.
+
+Checkpoints are loaded with `torch.load(weights_only=True)`: tensors and plain Python
+containers only, so a checkpoint file cannot run code when it is loaded.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import glob
 import logging
 import os
 import random
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +36,12 @@ VERSION = 1
 # Config keys that must match for the saved tensors to fit the model.
 MODEL_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
               "n_in_channels", "n_out_channels")
+REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
+            "epoch_step", "rng")
 
 
 class CheckpointError(ValueError):
-    """An unreadable or incompatible checkpoint; the message names the file."""
+    """An unreadable, incompatible or unwritable checkpoint; the message names the file."""
 
 
 def checkpoint_dir(exp_dir: str) -> str:
@@ -48,8 +58,38 @@ def latest_checkpoint(exp_dir: str) -> str | None:
     return files[-1] if files else None
 
 
+def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> str | None:
+    """The checkpoint to start from: `--resume PATH`, `--resume` / `--resume auto` (the
+    newest in the run directory; none there -> start from scratch, with a log line), or None.
+
+    With `--requeue`, a run that SLURM restarted (SLURM_RESTART_COUNT > 0) resumes as if
+    `--resume auto` had been given. Rank 0 decides and tells the others, so that every rank
+    loads the same file even if a save lands while they look.
+    """
+    choice: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        if resume is None and requeue and restarts > 0:
+            log.info(f"SLURM restart {restarts} of a --requeue job: resuming")
+            resume = "auto"
+        if resume == "auto":
+            choice[0] = latest_checkpoint(exp_dir)
+            if choice[0] is None:
+                log.info(f"--resume: no checkpoint in {checkpoint_dir(exp_dir)}, "
+                         "starting from scratch")
+        else:
+            choice[0] = resume
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+# ------------------------------------------------------------------ RNG states
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
              "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -58,12 +98,15 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# ------------------------------------------------------------------ optimizer state by name
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str],
                             to_full: Callable[[str, torch.Tensor], torch.Tensor]
                             ) -> dict[str, Any]:
@@ -71,67 +114,130 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str],
     sd = optimizer.state_dict()
     ids = [i for group in sd["param_groups"] for i in group["params"]]
     state = {}
-    for idx, name in zip(ids, names):
+    for idx, name in zip(ids, names, strict=True):
         st = sd["state"].get(idx, {})
-        state[name] = {k: (to_full(name, v) if torch.is_tensor(v) and v.dim() > 0 else v)
-                       for k, v in st.items()}
+        state[name] = {k: (to_full(name, v).cpu() if torch.is_tensor(v) and v.dim() > 0
+                           else v) for k, v in st.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
                          names: list[str],
-                         to_local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+                         to_local: Callable[[str, torch.Tensor], torch.Tensor],
+                         path: str = "checkpoint") -> None:
     sd = optimizer.state_dict()
+    if len(saved["param_groups"]) != len(sd["param_groups"]):
+        raise CheckpointError(f"{path}: optimizer has {len(saved['param_groups'])} parameter "
+                              f"groups, this model's has {len(sd['param_groups'])}")
     ids = [i for group in sd["param_groups"] for i in group["params"]]
+    local_shapes = {n: p.shape for n, p in zip(names, _optimizer_params(optimizer),
+                                               strict=True)}
     state = {}
-    for idx, name in zip(ids, names):
+    for idx, name in zip(ids, names, strict=True):
         st = saved["state"].get(name)
-        if st:
-            state[idx] = {k: (to_local(name, v) if torch.is_tensor(v) and v.dim() > 0 else v)
-                          for k, v in st.items()}
-    groups = []
-    for group, saved_group in zip(sd["param_groups"], saved["param_groups"]):
-        merged = dict(saved_group)
-        merged["params"] = group["params"]
-        # Keep the live lr object (a tensor when CUDA graphs capture the step).
-        if torch.is_tensor(group.get("lr")):
-            group_lr = group["lr"]
-            group_lr.fill_(float(saved_group["lr"]))
-            merged["lr"] = group_lr
-        groups.append(merged)
+        if not st:
+            continue
+        state[idx] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                v = _to_local(to_local, name, v, path, f"optimizer state {k} of ")
+                if v.shape != local_shapes[name]:
+                    raise CheckpointError(f"{path}: optimizer state {k} of {name} has shape "
+                                          f"{tuple(v.shape)}, the model expects "
+                                          f"{tuple(local_shapes[name])}")
+            state[idx][k] = v
+    groups = [{**saved_group, "params": group["params"]}
+              for group, saved_group in zip(sd["param_groups"], saved["param_groups"],
+                                            strict=True)]
+    live_lrs = [group["lr"] for group in optimizer.param_groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # load_state_dict copies the groups. A tensor lr (CUDA graphs: the captured step reads
+    # that very tensor, the scheduler fills it) must stay the same object: refill it.
+    for group, live in zip(optimizer.param_groups, live_lrs, strict=True):
+        if torch.is_tensor(live):
+            live.fill_(float(group["lr"]))
+            group["lr"] = live
 
 
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _to_local(to_local: Callable, name: str, tensor: torch.Tensor, path: str,
+              what: str = "") -> torch.Tensor:
+    """to_local with its errors (a full tensor that does not split) as CheckpointError."""
+    try:
+        return to_local(name, tensor)
+    except (ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"{path}: {what}{name} of shape {tuple(tensor.shape)} does not "
+                              f"fit this model ({str(e).splitlines()[0]})") from None
+
+
+# ------------------------------------------------------------------ files
 def save_atomic(obj: dict[str, Any], path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    """Write `obj` to `path` so that `path` is either the old file or the complete new one."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:  # make the rename itself durable (a power cut right after must not lose it)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some file systems cannot fsync a directory; the rename still happened
+        pass
 
 
 def prune(exp_dir: str, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; remove temporary files of interrupted saves."""
     for old in list_checkpoints(exp_dir)[:-keep] if keep > 0 else []:
         os.remove(old)
+    for stray in glob.glob(os.path.join(checkpoint_dir(exp_dir), "ckpt_*.pt.tmp*")):
+        if not stray.endswith(f".tmp.{os.getpid()}"):
+            log.info(f"Removing {stray}, left by an interrupted save")
+            os.remove(stray)
 
 
 def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
     """Load and check a checkpoint; any problem is a one-line CheckpointError."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} not found")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} is not a file")
+    # torch.save writes a zip archive whose directory is at the end of the file: a truncated
+    # file, an empty one or random bytes are not a readable zip.
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {path} is unreadable: not a complete torch.save "
+                              f"file ({os.path.getsize(path)} bytes; truncated, or not a "
+                              "checkpoint)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} not found") from None
-    except Exception as e:  # truncated or not a torch file
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged archive, or objects other than tensors/plain values
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["corrupt"]
+        # weights_only errors explain torch's defaults first; the cause is further down.
+        cause = next((line for line in lines if "Unsupported" in line), lines[0])
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'corrupt'})") from None
+                              f"{cause})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {ckpt.get('version')}, "
                               f"this code reads {VERSION}")
+    missing = [k for k in REQUIRED if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: no {', '.join(missing)}")
     for key in MODEL_KEYS:
         saved, now = ckpt["config"].get(key), params.get(key)
         if saved is not None and list(np.atleast_1d(saved)) != list(np.atleast_1d(now)):
@@ -155,6 +261,15 @@ def _identity(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any (collective when distributed)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
+
+
 class Checkpointer:
     """Saves and restores everything a run needs to continue exactly.
 
@@ -172,59 +287,99 @@ class Checkpointer:
         self.to_full, self.to_local = to_full, to_local
         self.keep = int(params.get("checkpoint_keep", 3) or 3)
         self.names = [n for n, _ in unwrap(model).named_parameters()]
+        self.last_saved: str | None = None  # what a failure message points the user to
 
-    def save(self, iters: int, epoch: int, epoch_step: int) -> str | None:
-        import torch.distributed as dist
+    def _device(self) -> torch.device:
+        return next(unwrap(self.model).parameters()).device
 
+    def save(self, iters: int, epoch: int, epoch_step: int,
+             loss_sum: torch.Tensor | None = None, step_count: int = 0) -> str | None:
+        """Write ckpt_<iters>.pt (collective). `epoch_step` batches of `epoch` are done;
+        `loss_sum` / `step_count`: this rank's loss summed over them, for the epoch average."""
         module = unwrap(self.model)
+        device = self._device()
+        # Never replace a good checkpoint by a broken one: every rank checks its own shard.
+        bad = next((n for n, p in module.named_parameters()
+                    if not bool(torch.isfinite(p.detach()).all())), None)
+        if _any_rank(bad is not None, device):
+            raise FloatingPointError(
+                f"parameters are NaN/inf at iteration {iters}"
+                f"{f' ({bad})' if bad else ''}: not saved; the last checkpoint "
+                f"{self.last_saved or '(none)'} is kept (lower the lr, or use bf16)")
         model_sd = {n: self.to_full(n, p.detach()).cpu() for n, p in module.named_parameters()}
         opt = optimizer_state_by_name(self.optimizer, self.names, self.to_full)
-        rngs = [rng_state()]
+        loss = (loss_sum if loss_sum is not None else torch.zeros(())).detach().float().cpu()
+        per_rank = [{"rng": rng_state(), "loss_sum": loss, "step_count": int(step_count)}]
         rank = 0
         if dist.is_initialized():
-            rngs = [None] * dist.get_world_size()
-            dist.all_gather_object(rngs, rng_state())
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, {"rng": rng_state(), "loss_sum": loss,
+                                              "step_count": int(step_count)})
             rank = dist.get_rank()
-        path = None
+        path = os.path.join(checkpoint_dir(self.exp_dir), f"ckpt_{iters:08d}.pt")
+        error: list[str | None] = [None]
         if rank == 0:
-            path = os.path.join(checkpoint_dir(self.exp_dir), f"ckpt_{iters:08d}.pt")
-            save_atomic({
-                "format": FORMAT, "version": VERSION,
-                "config": {k: self.params.get(k) for k in MODEL_KEYS},
-                "params": self.params.to_dict(),
-                "model": model_sd, "optimizer": opt,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "iters": iters, "epoch": epoch, "epoch_step": epoch_step, "rng": rngs,
-            }, path)
-            prune(self.exp_dir, self.keep)
-            log.info(f"Saved checkpoint {path} (iteration {iters})")
+            try:
+                save_atomic({
+                    "format": FORMAT, "version": VERSION,
+                    "config": {k: self.params.get(k) for k in MODEL_KEYS},
+                    "params": self.params.to_dict(),
+                    "model": model_sd, "optimizer": opt,
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "iters": iters, "epoch": epoch, "epoch_step": epoch_step,
+                    "rng": [r["rng"] for r in per_rank],
+                    "loop": [{k: r[k] for k in ("loss_sum", "step_count")} for r in per_rank],
+                }, path)
+                prune(self.exp_dir, self.keep)
+                log.info(f"Saved checkpoint {path} (iteration {iters})")
+            except OSError as e:
+                error[0] = f"cannot write checkpoint {path}: {e.strerror or e}"
         if dist.is_initialized():
-            dist.barrier()  # nobody exits or reads before the file is complete
-        return path
+            # Instead of a barrier: nobody exits or reads before the file is complete, and
+            # a failed write stops every rank (not only rank 0, leaving the others waiting).
+            dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise CheckpointError(error[0])
+        self.last_saved = path
+        return path if rank == 0 else None
 
     def restore(self, path: str) -> dict[str, Any]:
-        """Load `path` into the live objects; returns {'iters', 'epoch', 'epoch_step'}."""
-        import torch.distributed as dist
-
+        """Load `path` into the live objects (collective). Returns the loop position
+        {'iters', 'epoch', 'epoch_step'} and this rank's {'loss_sum', 'step_count'}."""
         ckpt = read_checkpoint(path, self.params)
         module = unwrap(self.model)
         missing = [n for n in self.names if n not in ckpt["model"]]
         if missing:
             raise CheckpointError(f"{path} has no tensor for parameter {missing[0]} "
                                   f"({len(missing)} missing)")
+        unexpected = [n for n in ckpt["model"] if n not in self.names]
+        if unexpected:
+            raise CheckpointError(f"{path} has tensor {unexpected[0]}, which this model does "
+                                  f"not have ({len(unexpected)} unexpected)")
         with torch.no_grad():
             for name, p in module.named_parameters():
-                local = self.to_local(name, ckpt["model"][name])
+                local = _to_local(self.to_local, name, ckpt["model"][name], path)
                 if local.shape != p.shape:
                     raise CheckpointError(f"{path}: {name} has shape {tuple(local.shape)}, "
                                           f"the model expects {tuple(p.shape)}")
                 p.copy_(local)
-        load_optimizer_state(self.optimizer, ckpt["optimizer"], self.names, self.to_local)
+        load_optimizer_state(self.optimizer, ckpt["optimizer"], self.names, self.to_local,
+                             path)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         rank = dist.get_rank() if dist.is_initialized() else 0
+        # Same layout: this rank's own states (exact resume). Another world size: ranks
+        # beyond the saved ones keep their seeded RNG and borrow a saved rank's epoch loss
+        # (only the logged epoch average uses it).
         if rank < len(ckpt["rng"]):
             set_rng_state(ckpt["rng"][rank])
+        loops = ckpt.get("loop") or [{"loss_sum": torch.zeros(()), "step_count": 0}]
+        loop = loops[rank % len(loops)]
+        self.last_saved = path
         log.info(f"Resumed from {path}: iteration {ckpt['iters']}, epoch {ckpt['epoch']}, "
                  f"{ckpt['epoch_step']} batches into it")
-        return {k: ckpt[k] for k in ("iters", "epoch", "epoch_step")}
+        return {"iters": int(ckpt["iters"]), "epoch": int(ckpt["epoch"]),
+                "epoch_step": int(ckpt["epoch_step"]),
+                "loss_sum": loop["loss_sum"].to(self._device()),
+                "step_count": int(loop["step_count"])}

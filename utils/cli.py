@@ -36,7 +36,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from a checkpoint file, or from the run's newest ('auto')")
     p.add_argument("--requeue", action="store_true",
-                   help="on SIGUSR1/SIGTERM: checkpoint, then `scontrol requeue` this job")
+                   help="on SIGUSR1/SIGTERM: checkpoint, then `scontrol requeue` this job; "
+                        "the requeued run (SLURM_RESTART_COUNT > 0) resumes by itself")
     return p
 
 
@@ -80,6 +81,18 @@ def load_params(args: argparse.Namespace) -> YParams:
     if params.embed_dim % params.num_heads:
         raise ConfigError(f"embed_dim {params.embed_dim} is not divisible by "
                           f"num_heads {params.num_heads}")
+    # Model parallelism, checked before any layer is built: tp splits the heads and the
+    # embedding (and with it the MLP's hidden units) across ranks, cp splits the tokens.
+    tp = positive("tp", params.get("tp", 1))
+    cp = positive("cp", params.get("cp", 1))
+    for key in ("num_heads", "embed_dim"):
+        if params[key] % tp:
+            raise ConfigError(f"{key} {params[key]} is not divisible by tp {tp} (--tp): "
+                              f"choose a tp that divides it")
+    tokens = (H // p) * (W // p)
+    if cp > tokens:
+        raise ConfigError(f"cp {cp} is larger than the {tokens} tokens of img_size {H}x{W} "
+                          f"with patch_size {p}")
     return params
 
 

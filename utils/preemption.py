@@ -1,10 +1,36 @@
-"""Stop cleanly when the scheduler says so.
+"""Stop cleanly when asked to: checkpoint at the next step boundary, exit 3, maybe requeue.
 
-SLURM sends SIGUSR1 (`#SBATCH --signal=USR1@120`, `scancel --signal=USR1`) or SIGTERM
-(`scancel`, and what torchrun forwards to its workers) before killing a job. The handler
-only sets a flag; at the next step boundary all ranks agree (an all-reduce of the flag) to
-save a checkpoint and exit with EXIT_PREEMPTED, and with --requeue the job puts itself
-back in the queue, where the next run resumes from that checkpoint.
+SIGUSR1 and SIGTERM are handled the same way. The handler only sets a flag; after each
+optimizer step all ranks agree (an all-reduce of the flag), so a signal that reaches a
+single rank stops every rank at the same iteration. They save a checkpoint together and
+exit with EXIT_PREEMPTED (3); with `--requeue`, rank 0 first runs
+`scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from that checkpoint.
+
+Which signal reaches the training processes depends on the launcher:
+
+  python train.py            `kill -USR1 <pid>` or `kill -TERM <pid>` (Ctrl-C is SIGINT: it
+                             just stops, without a checkpoint).
+  torchrun                   send SIGTERM to the torchrun process: its agent forwards SIGTERM
+                             to every worker and gives them 30 s to exit (`--shutdown_timeout`
+                             or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before SIGKILL; the workers
+                             save within that time. torchrun itself then exits non-zero (it
+                             reports the signal), the workers with 3. SIGUSR1 sent to torchrun
+                             kills the agent (the default action) unless it is started with
+                             `--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`;
+                             SIGUSR1 sent to any one worker also works.
+  srun (submit_pm*.sh)       srun starts every rank as its own task. `#SBATCH
+                             --signal=USR1@120` (sbatch --signal=USR1@120) sends SIGUSR1 to
+                             every task 120 s before the time limit; `scancel --signal=USR1
+                             <job>` does so at once. Do not use `--signal=B:USR1@...`: `B:`
+                             signals only the batch shell, not the tasks. At the time limit (and
+                             on `scancel <job>`) SLURM sends SIGTERM and, KillWait seconds later
+                             (30 s by default), SIGKILL: a save that fits in that window also
+                             works without --signal, but the warning gives a safe margin.
+
+Exit codes of the train scripts: 0 finished; 2 a user error (config, flags, data,
+checkpoint, NaN/inf loss: one `error: ...` line); 3 preempted, a checkpoint was written
+(rerun with `--resume`); anything else is a crash (a traceback; under torchrun, its summary
+names the rank that failed first).
 """
 
 from __future__ import annotations
@@ -23,12 +49,16 @@ EXIT_PREEMPTED = 3
 
 
 class StopSignal:
+    """Catches SIGUSR1/SIGTERM; `should_stop()` at each step boundary says whether to stop."""
+
     def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)):
         self.received: int | None = None
         for sig in signals:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum: int, frame: object) -> None:
+        # Only a flag: stopping here, mid-step or inside a collective, would leave the other
+        # ranks waiting. Logging from a signal handler is not safe either.
         self.received = signum
 
     def should_stop(self, device: torch.device) -> bool:
@@ -41,13 +71,24 @@ class StopSignal:
         return flag > 0
 
 
-def requeue_slurm_job() -> bool:
-    """`scontrol requeue $SLURM_JOB_ID`; False (with a message) outside SLURM."""
+def requeue_slurm_job(timeout: float = 60.0) -> bool:
+    """`scontrol requeue $SLURM_JOB_ID`; False (with a warning) outside SLURM or on failure.
+
+    The job must be requeueable (`sbatch --requeue`, or the cluster's JobRequeue=1 default).
+    SLURM then ends this run and queues the job again with the same command line and
+    SLURM_RESTART_COUNT >= 1; with `--requeue` on that command line the rerun resumes from
+    the newest checkpoint (as `--resume` would).
+    """
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         log.warning("--requeue: not inside a SLURM job, not requeueing")
         return False
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                                timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning(f"scontrol requeue {job} failed: {e}")
+        return False
     if result.returncode != 0:
         log.warning(f"scontrol requeue {job} failed: {result.stderr.strip()}")
         return False

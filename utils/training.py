@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 
 from utils import comm
+from utils.data_loader import DataError, load_stats
 from utils.launch_env import LaunchEnv, resolve_launch_env
 from utils.loss import l2_loss
 from utils.metrics import weighted_acc_channels, weighted_rmse_channels
+from utils.YParams import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp") -> tuple[Lau
         torch.backends.cudnn.benchmark = True
     else:
         device = torch.device("cpu")
+        torch.set_num_threads(cpu_threads(env))
     if env.distributed:
         # A bounded timeout: a dead rank ends the job instead of hanging it for 30 minutes.
         timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_SEC", "300")))
@@ -46,8 +49,27 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp") -> tuple[Lau
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank, world_size=env.world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None)
+    if env.world_size % (tp * cp):  # every rank finds this: all exit with the same line
+        raise ConfigError(f"world size {env.world_size} is not divisible by tp x cp = "
+                          f"{tp} x {cp}: launch a multiple of {tp * cp} processes, or change "
+                          "--tp / --cp")
     comm.init(tp=tp, cp=cp, order=order)
     return env, device
+
+
+def cpu_threads(env: LaunchEnv, environ: Any = None) -> int:
+    """Intra-op threads for a CPU process: OMP_NUM_THREADS if set, else the CPUs SLURM gave
+    the task, else the cores shared evenly by the processes on this node (several ranks
+    with all cores each would oversubscribe the machine)."""
+    environ = os.environ if environ is None else environ
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        if environ.get(key, "").isdigit() and int(environ[key]) > 0:
+            return int(environ[key])
+    per_node = environ.get("LOCAL_WORLD_SIZE") or environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if per_node is None and env.distributed:
+        per_node = str(env.world_size)  # unknown layout: assume one node
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, int(per_node or 1)))
 
 
 def describe_device(device: torch.device) -> str:
@@ -120,9 +142,16 @@ class Normaliser:
     def __init__(self, params: Any, device: torch.device):
         C = int(params.n_out_channels)
         H, W = params.img_size
-        self.means = torch.from_numpy(np.load(params.global_means_path)[:, :C]).to(device)
-        self.stds = torch.from_numpy(np.load(params.global_stds_path)[:, :C]).to(device)
-        clim = torch.from_numpy(np.load(params.time_means_path)[:, :C, :H, :W]).to(device)
+        # load_stats: a missing file or a wrong shape is a one-line DataError.
+        self.means = torch.from_numpy(
+            load_stats(params.global_means_path, C, "global means")).to(device)
+        self.stds = torch.from_numpy(
+            load_stats(params.global_stds_path, C, "global stds")).to(device)
+        clim = load_stats(params.time_means_path, C, "time means")
+        if clim.shape[2] < H or clim.shape[3] < W:
+            raise DataError(f"time means {params.time_means_path} are {clim.shape[2]}x"
+                            f"{clim.shape[3]}, smaller than img_size {H}x{W}")
+        clim = torch.from_numpy(clim[:, :, :H, :W]).to(device)
         self.climatology = (clim - self.means) / self.stds  # normalised, for ACC
 
 
@@ -165,6 +194,43 @@ def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: 
     return {"loss": acc[0].item() / n, "rmse_u10m": acc[1].item() / n,
             "persistence_rmse_u10m": acc[2].item() / n, "acc_u10m": acc[3].item() / n,
             "acc_t2m": acc[4].item() / n, "samples": n, "example_t2m": first}
+
+
+class NonFiniteLoss:
+    """Remembers the first iteration whose training loss was NaN or inf.
+
+    `record` runs on the device and never waits for it (no host sync: a GPU keeps running
+    ahead of Python). `check` reads the result (a sync; an all-reduce when distributed, so
+    every rank stops at the same step) and raises FloatingPointError. train() checks every
+    step on CPU, where reading a value costs nothing, every `GPU_CHECK_EVERY` steps on a GPU,
+    and always at the end of an epoch and before writing a checkpoint: no NaN reaches a
+    checkpoint. With fp16 the GradScaler already skips steps whose *gradients* overflow;
+    a loss that is NaN/inf in the forward pass itself is a real failure and stops the run.
+    """
+
+    GPU_CHECK_EVERY = 50
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
+
+    def record(self, loss: torch.Tensor, iteration: int) -> None:
+        self.first.masked_fill_((self.first < 0) & ~torch.isfinite(loss.detach()), iteration)
+
+    def due(self, iteration: int) -> bool:
+        return self.device.type != "cuda" or iteration % self.GPU_CHECK_EVERY == 0
+
+    def check(self, last_checkpoint: str | None = None) -> None:
+        never = torch.iinfo(torch.int64).max
+        first = torch.where(self.first < 0, never, self.first)
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        iteration = int(first.item())
+        if iteration != never:
+            raise FloatingPointError(
+                f"training loss is NaN/inf at iteration {iteration}: stopped without saving; "
+                f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept "
+                "(lower the lr, or use bf16 instead of fp16)")
 
 
 def seed_everything(seed: int) -> None:

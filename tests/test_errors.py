@@ -1,0 +1,212 @@
+"""Bad input ends a train script with exit code 2 and one line, `error: <what and where>`,
+never a traceback: config, flags, data, layout, checkpoint, output directory, and a
+training loss that turns NaN/inf (which also must not reach a checkpoint).
+
+Every case is a real subprocess; they run a few at a time (module fixture) since most of
+each one is Python start-up.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import CONFIG_FILE, REPO, TrainRun, free_port, run_script
+
+from utils.checkpoint import list_checkpoints
+
+TIMEOUT = 180
+
+
+@dataclass
+class Case:
+    words: list[str]                      # what the error line must name
+    args: list[str] = field(default_factory=lambda: ["--config=tiny"])
+    script: str = "train.py"
+    env: dict[str, str] = field(default_factory=dict)
+    data_dir: Path | None = None          # None: the tiny data set
+    log_dir: Path | None = None
+
+
+def _yaml(tmp: Path, extra: str) -> Path:
+    """config/ViT.yaml plus `extra` sections, which may merge its anchors (<<: *tiny)."""
+    path = tmp / "config.yaml"
+    path.write_text(CONFIG_FILE.read_text() + "\n" + extra)
+    return path
+
+
+def _data_copy(tmp: Path, tiny_data: Path) -> Path:
+    out = tmp / "data"
+    shutil.copytree(tiny_data, out)
+    return out
+
+
+def _cases(tmp: Path, tiny_data: Path) -> dict[str, Case]:
+    """Each case gets its own directory `tmp / name`."""
+    cases: dict[str, Case] = {}
+
+    def case(fn: Callable[[Path], Case]) -> None:
+        d = tmp / fn.__name__
+        d.mkdir()
+        cases[fn.__name__] = fn(d)
+
+    @case
+    def unknown_config(d):
+        return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny"],
+                    ["--config=no_such_config"])
+
+    @case
+    def malformed_yaml(d):
+        bad = d / "bad.yaml"
+        bad.write_text("tiny:\n  lr: [1.0e-3\n  depth: 2\n")
+        return Case(["malformed YAML", str(bad)], ["--config=tiny", f"--yaml_config={bad}"])
+
+    @case
+    def unknown_flag_value(d):  # argparse: a usage line, then one error line
+        return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
+
+    @case
+    def missing_data_directory(d):
+        return Case([str(d / "none" / "train"), "does not exist"], data_dir=d / "none")
+
+    @case
+    def empty_data_directory(d):
+        for sub in ("train", "valid", "test", "stats"):
+            (d / "data" / sub).mkdir(parents=True)
+        return Case(["no .h5 files", str(d / "data" / "train")], data_dir=d / "data")
+
+    @case
+    def wrong_hdf5_layout(d):
+        data = _data_copy(d, tiny_data)
+        bad = sorted((data / "train").glob("*.h5"))[0]
+        bad.unlink()
+        with h5py.File(bad, "w") as f:
+            f["temperature"] = np.zeros((4, 20, 16, 32), np.float32)
+        return Case([str(bad), "no dataset 'fields'", "temperature"], data_dir=data)
+
+    @case
+    def stats_shape_mismatch(d):
+        data = _data_copy(d, tiny_data)
+        np.save(data / "stats" / "global_means.npy", np.zeros((1, 5, 1, 1), np.float32))
+        return Case(["global_means.npy", "(1, 5, 1, 1)", "expected (1, 20"], data_dir=data)
+
+    @case
+    def img_size_not_a_multiple_of_patch(d):
+        cfg = _yaml(d, "bad_patch:\n  <<: *tiny\n  patch_size: 5\n")
+        return Case(["img_size 16x32", "patch_size 5"],
+                    ["--config=bad_patch", f"--yaml_config={cfg}"])
+
+    @case
+    def heads_not_divisible_by_tp(d):
+        return Case(["num_heads 4", "tp 3"], ["--config=tiny", "--tp=3"], script="train_mp.py")
+
+    @case
+    def world_not_divisible_by_tp_cp(d):
+        return Case(["world size 1", "tp x cp = 2 x 1"], ["--config=tiny", "--tp=2"],
+                    script="train_mp.py")
+
+    @case
+    def dali_unavailable(d):
+        # An `nvidia` package without `dali` ahead of the installed one: DALI is "missing".
+        (d / "nvidia").mkdir()
+        (d / "nvidia" / "__init__.py").write_text("")
+        return Case(["data_loader_config 'dali' needs NVIDIA DALI", "nvidia.dali"],
+                    ["--config=tiny", "--data_loader_config=dali"],
+                    env={"PYTHONPATH": f"{d}:{REPO}"})
+
+    @case
+    def output_directory_not_writable(d):
+        # Under a regular file: fails for root too (chmod would not stop root).
+        blocker = d / "a_file"
+        blocker.write_text("")
+        return Case(["cannot write the run directory", str(blocker / "logs"), "LOG_DIR"],
+                    log_dir=blocker / "logs")
+
+    @case
+    def corrupt_checkpoint(d):
+        bad = d / "ckpt_00000004.pt"
+        torch.save({"model": {"w": torch.ones(100)}}, bad)
+        bad.write_bytes(bad.read_bytes()[:200])  # truncated
+        return Case([str(bad), "unreadable"], ["--config=tiny", f"--resume={bad}"])
+
+    @case
+    def nan_loss(d):
+        cfg = _yaml(d, "nan_lr:\n  <<: *tiny\n  lr: 1.0e+30\n")
+        return Case(["training loss is NaN/inf at iteration", "ckpt_00000001.pt", "is kept"],
+                    ["--config=nan_lr", f"--yaml_config={cfg}", "--checkpoint_interval=1"],
+                    log_dir=d / "logs")
+
+    return cases
+
+
+def _run(case: Case, tiny_data: Path, tmp: Path, env: dict[str, str] | None = None
+         ) -> TrainRun:
+    return run_script(case.script, case.args, data_dir=case.data_dir or tiny_data,
+                      log_dir=case.log_dir or tmp / "logs", env_extra={**case.env, **(env or {})},
+                      timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun | list[TrainRun]]:
+    tmp = tmp_path_factory.mktemp("errors")
+    cases = _cases(tmp, tiny_data)
+    # Global batch 3 over 2 data-parallel ranks: two processes joined by the environment
+    # variables a launcher sets (srun / export_DDP_vars.sh), each must say it in one line.
+    cfg = _yaml(tmp, "odd_batch:\n  <<: *tiny\n  global_batch_size: 3\n")
+    dp = Case(["global_batch_size 3", "data-parallel size 2"],
+              ["--config=odd_batch", f"--yaml_config={cfg}"])
+    port = str(free_port())
+    with ThreadPoolExecutor(4) as pool:
+        futures = {name: pool.submit(_run, c, tiny_data, tmp / name) for name, c in cases.items()}
+        dp_futures = [pool.submit(_run, dp, tiny_data, tmp, {
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(2)]
+        results: dict[str, TrainRun | list[TrainRun]] = {
+            name: f.result() for name, f in futures.items()}
+        results["batch_not_divisible_by_dp"] = [f.result() for f in dp_futures]
+    results["_cases"] = {**cases, "batch_not_divisible_by_dp": dp}  # type: ignore[assignment]
+    return results
+
+
+def assert_one_error_line(run: TrainRun, words: list[str]) -> str:
+    assert run.returncode == 2, f"exit {run.returncode}\n{run.output[-3000:]}"
+    assert "Traceback" not in run.output, run.output[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, run.stderr
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return errors[0]
+
+
+NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "missing_data_directory",
+         "empty_data_directory", "wrong_hdf5_layout", "stats_shape_mismatch",
+         "img_size_not_a_multiple_of_patch", "batch_not_divisible_by_dp",
+         "heads_not_divisible_by_tp", "world_not_divisible_by_tp_cp", "dali_unavailable",
+         "output_directory_not_writable", "corrupt_checkpoint", "nan_loss"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input_is_one_error_line_and_exit_code_2(runs, name):
+    case = runs["_cases"][name]
+    for run in runs[name] if isinstance(runs[name], list) else [runs[name]]:
+        line = assert_one_error_line(run, case.words)
+        if name != "unknown_flag_value":  # argparse words its own line (prog: error: ...)
+            assert line.startswith("error: "), line
+
+
+def test_a_nan_loss_keeps_the_last_good_checkpoint(runs):
+    """lr 1e30: iteration 1 leaves huge but finite weights (saved), iteration 2's loss is
+    NaN: the run stops there, and nothing after the good checkpoint is written."""
+    exp = runs["_cases"]["nan_loss"].log_dir / "nan_lr" / "1CPU" / "00"
+    files = list_checkpoints(str(exp))
+    assert [Path(f).name for f in files] == ["ckpt_00000001.pt"]
+    ckpt = torch.load(files[0], weights_only=True)
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert "iteration 2" in runs["nan_loss"].stderr

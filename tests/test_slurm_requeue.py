@@ -1,0 +1,103 @@
+"""Preemption under a real SLURM (tests/slurm_cluster.py): a job sent SIGUSR1 checkpoints,
+requeues itself (`--requeue`), and its rerun (SLURM_RESTART_COUNT=1) resumes by itself and
+ends bitwise equal to an uninterrupted job.
+
+Both jobs run submit_pm.sh with the generic site preset, side by side. The only difference
+on their command lines is `--requeue`; the preempted job is submitted with
+`--open-mode=append` so that its output file holds both runs.
+
+Skipped, with the reason printed, where a private SLURM cluster cannot run (not root, no
+packages); SLURM_TESTS_REQUIRED=1 turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from test_resume import assert_same_state, final_checkpoint
+
+try:
+    from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
+except ImportError:  # tests/ on sys.path (pytest's default for a directory without __init__)
+    from slurm_cluster import ClusterUnavailable, SlurmCluster
+
+REPO = Path(__file__).resolve().parent.parent
+ITERS = 96  # 12 epochs: the job is still training when the signal arrives
+JOB_TIMEOUT = 300  # seconds per job on a loaded 2-core machine (~30 s idle)
+# Variables of an outer launcher or site that must not leak into the jobs.
+LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
+         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
+         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
+
+
+def _skip(error: ClusterUnavailable) -> None:
+    reason = f"no SLURM cluster on this machine: {error}"
+    if os.environ.get("SLURM_TESTS_REQUIRED"):
+        pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
+    print(f"\nSKIPPED SLURM requeue test: {reason}", file=sys.stderr)
+    warnings.warn(reason, stacklevel=2)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        c = SlurmCluster(nodes=1).start()
+    except ClusterUnavailable as e:
+        _skip(e)
+    yield c
+    c.stop()
+
+
+def _submit(cluster: SlurmCluster, workdir: Path, data: Path, name: str,
+            extra_args: list[str]) -> int:
+    env: dict[str, str | None] = {k: None for k in LEAKY}
+    env.update(SITE="generic", PYTHON=sys.executable, DATA_DIR=str(data),
+               LOG_DIR=str(workdir / name), OMP_NUM_THREADS="1")
+    args = ["--config=tiny", f"--num_iters={ITERS}", "--checkpoint_interval=0", *extra_args]
+    return cluster.submit("submit_pm.sh", args, env=env, cwd=str(REPO),
+                          sbatch_opts=["--open-mode=append", f"--job-name=requeue-{name}",
+                                       f"--output={workdir}/%x-%j.out"])
+
+
+def _finished(cluster: SlurmCluster, job: int) -> str:
+    try:
+        state, code = cluster.wait(job, timeout=JOB_TIMEOUT)
+    except TimeoutError as e:
+        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
+    out = cluster.output(job)
+    assert (state, code) == ("COMPLETED", 0), \
+        f"job {job}: {state} exit {code}\n{out[-4000:]}\n--- daemons\n{cluster.daemon_logs(10)}"
+    return out
+
+
+def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_data,
+                                                                   tmp_path):
+    reference = _submit(cluster, tmp_path, tiny_data, "reference", [])
+    preempted = _submit(cluster, tmp_path, tiny_data, "preempted", ["--requeue"])
+    try:
+        cluster.wait_output(preempted, "Starting training loop", timeout=JOB_TIMEOUT)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    cluster.signal(preempted, "USR1")  # what `sbatch --signal=USR1@<seconds>` sends
+
+    out = _finished(cluster, preempted)
+    stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
+    assert stopped, out[-4000:]
+    k = int(stopped.group(1))
+    assert 1 <= k < ITERS
+    assert f"SLURM job {preempted} requeued" in out
+    assert "SLURM restart 1 of a --requeue job: resuming" in out  # no --resume needed
+    assert re.search(rf"Resumed from \S+ckpt_{k:08d}\.pt: iteration {k},", out), out[-4000:]
+    assert out.count("site=generic") == 2  # two runs of the batch script, one output file
+    assert f"Finished {ITERS} iterations" in out
+
+    ref_out = _finished(cluster, reference)
+    assert "Resumed" not in ref_out and f"Finished {ITERS} iterations" in ref_out
+    assert_same_state(final_checkpoint(tmp_path / "preempted" / "tiny" / "1CPU" / "00"),
+                      final_checkpoint(tmp_path / "reference" / "tiny" / "1CPU" / "00"))
