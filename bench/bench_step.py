@@ -229,13 +229,14 @@ def summarise(label: str, pairs: list[Pair], batch: int, flops_per_sample: float
 
 
 def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
-            budget_s: float) -> dict[str, list[Pair]]:
+            deadline: float) -> dict[str, list[Pair]]:
     """Interleaved repetitions: per setting, the ceilings, then `iters` pairs of one bare and
     one full step (alternating which goes first): every ratio compares neighbours in time,
     and medians drop the steps that another process on the machine happened to slow down."""
     results: dict[str, list[Pair]] = {r.label: [] for r in runners}
     start = time.perf_counter()
     for rep in range(repeats):
+        rep_start = time.perf_counter()
         for runner in runners:
             c32, c16 = ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)
             for i in range(iters):
@@ -246,12 +247,12 @@ def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repea
                     full_s = runner.full(1)
                     bare_s = runner.bare(1)
                 results[runner.label].append(Pair(bare_s, full_s, c32, c16))
-        elapsed = time.perf_counter() - start
-        print(f"  repetition {rep + 1}/{repeats} done ({elapsed:.0f} s)", file=sys.stderr,
+        now = time.perf_counter()
+        print(f"  repetition {rep + 1}/{repeats} done ({now - start:.0f} s)", file=sys.stderr,
               flush=True)
-        if rep >= 1 and elapsed > budget_s:
-            print(f"  time budget of {budget_s:.0f} s used: stopping after {rep + 1} "
-                  "repetitions", file=sys.stderr, flush=True)
+        if rep >= 1 and rep + 1 < repeats and now + (now - rep_start) > deadline:
+            print(f"  another repetition would overrun --budget_s: stopping after {rep + 1}",
+                  file=sys.stderr, flush=True)
             break
     return results
 
@@ -306,8 +307,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting first (torch.compile compiles here)")
-    p.add_argument("--budget_s", type=float, default=360.0,
-                   help="stop repeating once the timed part took this long (>= 2 repetitions)")
+    p.add_argument("--budget_s", type=float, default=480.0,
+                   help="skip the remaining repetitions (keeping >= 2) that would end the "
+                   "whole run, set-up included, later than this many seconds")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
     return p.parse_args(argv)
@@ -315,6 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    deadline = time.perf_counter() + args.budget_s
     _, device = init_process()
     base = load_params(args)
     data_paths, tmp = find_data(base)
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr, flush=True)
     n_params = sum(p.numel() for p in runners[0].model.parameters())
     ceiling = MatmulCeiling(device)
-    results = measure(runners, ceiling, args.iters, args.repeats, args.budget_s)
+    results = measure(runners, ceiling, args.iters, args.repeats, deadline)
     summaries = [summarise(r.label, results[r.label], r.batch_size, flops) for r in runners]
     print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].pairs} interleaved "
           f"(bare, full) step pairs per setting ({args.iters} per repetition)")

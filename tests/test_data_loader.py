@@ -303,3 +303,16 @@ def test_missing_stats_file(tiny_params, tmp_path):
     with pytest.raises(DataError) as e:
         ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     assert str(tmp_path / "stds.npy") in one_line(e)
+
+
+def test_validation_shards_count_every_sample_exactly_once(tiny_params):
+    """No padding with repeated samples: an uneven split leaves one rank a sample short."""
+    tiny_params.limit_nsamples_val = 7
+    seen = []
+    for rank in range(2):
+        _, dataset, sampler = get_data_loader(tiny_params, tiny_params.valid_data_path,
+                                              distributed=True, train=False,
+                                              num_replicas=2, rank=rank)
+        seen.append(list(sampler))
+        assert len(sampler) == len(seen[-1])
+    assert sorted(seen[0] + seen[1]) == list(range(7))

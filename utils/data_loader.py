@@ -148,6 +148,11 @@ class ShardSampler(DistributedSampler):
         super().__init__(dataset, **kwargs)
         self.batch_size = batch_size
         self.skip = 0
+        if not self.drop_last:
+            # Validation: no padding by repeated samples (they would be counted twice);
+            # rank r takes samples r, r + R, ... and shards may differ in length by one.
+            self.total_size = len(dataset)
+            self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         super().set_epoch(epoch)
