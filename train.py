@@ -14,6 +14,11 @@ import os
 import sys
 import time
 
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU shared
+# with other jobs (a laptop, a small VM) a spinning thread holds the core its partner
+# thread needs, and a 2-thread CPU step ran 2-4x slower. Set OMP_WAIT_POLICY to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -41,6 +46,7 @@ from utils.training import (
     init_process,
     peak_memory_gb,
     seed_everything,
+    settle,
     validate,
 )
 from utils.YParams import ConfigError
@@ -83,6 +89,9 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
     model-parallel and CUDA-graph scripts swap in."""
     world_rank = comm.get_world_rank()
     exp_dir = experiment_dir(params, comm.get_world_size(), device)
+    # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (utils/preemption.py).
+    # Installed before the data loaders fork their workers, which inherit the handler.
+    stop = StopSignal()
 
     # ---- data: every data-parallel rank reads its own shard of each epoch
     distributed = dist.is_initialized()
@@ -113,7 +122,7 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
         state = ckpt.restore(resume)
         iters, epoch, epoch_step = state["iters"], state["epoch"], state["epoch_step"]
         loss_sum, step_count = state["loss_sum"], state["step_count"]
-    stop = StopSignal()
+    ckpt.start_at(iters)  # set aside checkpoints of an earlier run beyond this point
     nonfinite = NonFiniteLoss(device)
     prof = StepProfiler(device, exp_dir, rank=world_rank)
     # purge_step: a resumed run first drops the TensorBoard events that the interrupted run
@@ -218,6 +227,7 @@ def setup_run(params, env, device):
     if dist.is_initialized():  # every rank stops with rank 0, none waits for it
         dist.broadcast_object_list(error, src=0)
     if error[0]:
+        settle()  # the broadcast's last traces are gone before the ranks exit
         raise ConfigError(error[0])
     if world_rank == 0:
         log.info(describe_device(device))

@@ -8,11 +8,13 @@
 (b) bare step: train.py's `train_step` on one random batch kept in memory;
 (c) full step: train.py's loop body: the next batch from the real DataLoader (a new epoch when
     one ends), copy in, `train_step`, scheduler step.
-Each repetition measures (a) and then (b) and (c) back to back (alternating which goes first),
-so all three see the same machine load; every number printed is a median over repetitions of
-per-repetition values, and the ratios ((c)/(b), fraction of the ceiling) are formed within a
-repetition. Model FLOP/s are analytic: `training_flops_per_sample` (matmul FLOPs of forward and
-backward) x samples/s, so they count useful model work, not what a kernel executes.
+In each of `--repeats` rounds every setting runs (a), a block of `--iters` steps of (b), (a)
+again and a block of (c) (the blocks swap places each round), so (a), (b) and (c) see the
+same machine load; with --table the settings take turns within each round. A block counts
+its median step. The ratios ((c)/(b), fraction of the ceiling) are formed within a round and
+every number printed is a median over rounds.
+Model FLOP/s are analytic: `training_flops_per_sample` (matmul FLOPs of forward and backward)
+x samples/s, so they count useful model work, not what a kernel executes.
 Without a data set under the config's data_dir (or DATA_DIR) the loader reads a temporary
 random one of the same shape as `python -m utils.synthetic_data` writes.
 """
@@ -28,6 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The OpenMP setting train.py makes before torch loads (see there): time what it runs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import h5py
 import numpy as np
@@ -73,10 +78,11 @@ class MatmulCeiling:
         self.device, self.n, self.tries = device, n, tries
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
         self.operands = {dt: (a.to(dt), b.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+        for a, b in self.operands.values():  # warm-up: first-call set-up is not the ceiling
+            torch.mm(a, b)
 
     def gflops(self, dtype: torch.dtype) -> float:
         a, b = self.operands[dtype]
-        torch.mm(a, b)
         best = float("inf")
         for _ in range(self.tries):
             sync(self.device)
@@ -163,33 +169,43 @@ class StepRunner:
             self.batches = iter(self.loader)
             return next(self.batches)
 
-    def bare(self, n: int) -> float:
-        """Seconds per step of `train_step` on the in-memory batch."""
-        sync(self.device)
-        start = time.perf_counter()
-        for _ in range(n):
-            self._step(self.inp, self.tar)
-        sync(self.device)
-        return (time.perf_counter() - start) / n
+    @property
+    def prefetched(self) -> int:
+        """Batches the loader's workers hold ready; 0 without workers."""
+        workers = int(self.params.num_data_workers)
+        return workers * (self.loader.prefetch_factor or 0) if workers else 0
 
-    def full(self, n: int) -> float:
-        """Seconds per step of train.py's loop body, loader included."""
-        loss_sum = torch.zeros((), device=self.device)
-        sync(self.device)
-        start = time.perf_counter()
+    def bare(self, n: int) -> list[float]:
+        """Seconds of each of `n` `train_step`s on the in-memory batch."""
+        times = []
         for _ in range(n):
+            start = time.perf_counter()
+            self._step(self.inp, self.tar)
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return times
+
+    def full(self, n: int, untimed: int = 0) -> list[float]:
+        """Seconds of each of `n` steps of train.py's loop body, loader included, after
+        `untimed` steps that bring the loader's workers to their steady state."""
+        times = []
+        for i in range(untimed + n):
+            start = time.perf_counter()
             inp, tar = self._next_batch()
             inp = inp.to(self.device, non_blocking=True)
             tar = tar.to(self.device, non_blocking=True)
-            loss_sum += self._step(inp, tar)
+            loss = self._step(inp, tar)
             self.scheduler.step()
-        loss_sum.item()  # train.py reads the loss once per epoch: waits for the device
-        return (time.perf_counter() - start) / n
+            loss.item()  # train.py sums the losses on the device; this only waits for it
+            if i >= untimed:
+                times.append(time.perf_counter() - start)
+        return times
 
 
 @dataclass
-class Pair:
-    """One bare and one full step, back to back, and the ceilings measured just before."""
+class Block:
+    """One round of one setting: median seconds per step of a block of bare steps and of a
+    block of full steps, and the ceilings (GFLOP/s) measured before each block."""
     bare_s: float
     full_s: float
     ceil32: float
@@ -208,50 +224,54 @@ class Summary:
     frac16: float
     ceil32: float
     ceil16: float
-    pairs: int
+    rounds: int
 
 
-def summarise(label: str, pairs: list[Pair], batch: int, flops_per_sample: float) -> Summary:
-    """Medians over step pairs; ratios are formed within a pair first."""
+def summarise(label: str, blocks: list[Block], batch: int, flops_per_sample: float) -> Summary:
+    """Medians over rounds; ratios are formed within a round first."""
     med = statistics.median
     step_gflop = flops_per_sample * batch / 1e9
     return Summary(
         label=label,
-        bare_sps=batch / med(p.bare_s for p in pairs),
-        full_sps=batch / med(p.full_s for p in pairs),
-        overhead=med(p.full_s / p.bare_s for p in pairs),
-        bare_gflops=step_gflop / med(p.bare_s for p in pairs),
-        gflops=step_gflop / med(p.full_s for p in pairs),
-        frac32=med(step_gflop / p.full_s / p.ceil32 for p in pairs),
-        frac16=med(step_gflop / p.full_s / p.ceil16 for p in pairs),
-        ceil32=med(p.ceil32 for p in pairs), ceil16=med(p.ceil16 for p in pairs),
-        pairs=len(pairs))
+        bare_sps=med(batch / b.bare_s for b in blocks),
+        full_sps=med(batch / b.full_s for b in blocks),
+        overhead=med(b.full_s / b.bare_s for b in blocks),
+        bare_gflops=med(step_gflop / b.bare_s for b in blocks),
+        gflops=med(step_gflop / b.full_s for b in blocks),
+        frac32=med(step_gflop / b.full_s / b.ceil32 for b in blocks),
+        frac16=med(step_gflop / b.full_s / b.ceil16 for b in blocks),
+        ceil32=med(b.ceil32 for b in blocks), ceil16=med(b.ceil16 for b in blocks),
+        rounds=len(blocks))
 
 
 def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
-            deadline: float) -> dict[str, list[Pair]]:
-    """Interleaved repetitions: per setting, the ceilings, then `iters` pairs of one bare and
-    one full step (alternating which goes first): every ratio compares neighbours in time,
-    and medians drop the steps that another process on the machine happened to slow down."""
-    results: dict[str, list[Pair]] = {r.label: [] for r in runners}
+            deadline: float) -> dict[str, list[Block]]:
+    """`repeats` rounds; in each, every setting runs the ceilings, a block of `iters` bare
+    steps, the ceilings, a block of `iters` full steps (the two blocks swap places every
+    round). A block's value is its median step, which drops steps that other processes on
+    the machine happened to slow. Full steps run in a block, not one at a time between bare
+    steps, so that data-loader workers work while the model does, as in training: the
+    batches they prefetched while the model stood still are spent in untimed steps first."""
+    results: dict[str, list[Block]] = {r.label: [] for r in runners}
     start = time.perf_counter()
     for rep in range(repeats):
         rep_start = time.perf_counter()
         for runner in runners:
-            c32, c16 = ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)
-            for i in range(iters):
-                if i % 2 == 0:
-                    bare_s = runner.bare(1)
-                    full_s = runner.full(1)
-                else:
-                    full_s = runner.full(1)
-                    bare_s = runner.bare(1)
-                results[runner.label].append(Pair(bare_s, full_s, c32, c16))
+            ceils, medians = [], {}
+            order = ("bare", "full") if rep % 2 == 0 else ("full", "bare")
+            for kind in order:
+                ceils.append((ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)))
+                times = (runner.bare(iters) if kind == "bare"
+                         else runner.full(iters, untimed=runner.prefetched))
+                medians[kind] = statistics.median(times)
+            results[runner.label].append(Block(
+                medians["bare"], medians["full"], statistics.mean(c[0] for c in ceils),
+                statistics.mean(c[1] for c in ceils)))
         now = time.perf_counter()
-        print(f"  repetition {rep + 1}/{repeats} done ({now - start:.0f} s)", file=sys.stderr,
+        print(f"  round {rep + 1}/{repeats} done ({now - start:.0f} s)", file=sys.stderr,
               flush=True)
         if rep >= 1 and rep + 1 < repeats and now + (now - rep_start) > deadline:
-            print(f"  another repetition would overrun --budget_s: stopping after {rep + 1}",
+            print(f"  another round would overrun --budget_s: stopping after {rep + 1}",
                   file=sys.stderr, flush=True)
             break
     return results
@@ -268,7 +288,7 @@ def machine_label(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     return (f"{name}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}")
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, torch {torch.__version__}")
 
 
 def case_params(args: argparse.Namespace, overrides: dict[str, Any],
@@ -279,8 +299,8 @@ def case_params(args: argparse.Namespace, overrides: dict[str, Any],
     return params
 
 
-def print_report(s: Summary, params: Any) -> None:
-    print(f"(a) matmul ceiling, 2048^3 torch.mm: fp32 {s.ceil32:.1f} GFLOP/s, "
+def print_report(s: Summary, n: int) -> None:
+    print(f"(a) matmul ceiling, {n}^3 torch.mm: fp32 {s.ceil32:.1f} GFLOP/s, "
           f"bf16 {s.ceil16:.1f} GFLOP/s")
     print(f"(b) bare step (in-memory batch): {s.bare_sps:.1f} samples/s, "
           f"{s.bare_gflops:.1f} GFLOP/s")
@@ -304,12 +324,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = build_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=6,
                    help="timed steps per setting and repetition (bare and full each)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting first (torch.compile compiles here)")
     p.add_argument("--budget_s", type=float, default=480.0,
-                   help="skip the remaining repetitions (keeping >= 2) that would end the "
+                   help="skip the remaining rounds (keeping >= 2) that would end the "
                    "whole run, set-up included, later than this many seconds")
+    p.add_argument("--ceiling_size", type=int, default=2048,
+                   help="n of the n x n x n matmul ceiling (smaller: faster smoke tests)")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
     return p.parse_args(argv)
@@ -343,24 +365,27 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         runner = StepRunner(label, params, args, device)
         runner.bare(args.warmup)
-        runner.full(args.warmup)
+        runner.full(args.warmup, untimed=runner.prefetched)
         runners.append(runner)
         print(f"  set up and warmed up '{label}' in {time.perf_counter() - start:.0f} s",
               file=sys.stderr, flush=True)
     n_params = sum(p.numel() for p in runners[0].model.parameters())
-    ceiling = MatmulCeiling(device)
+    load_start = os.getloadavg()[0]
+    ceiling = MatmulCeiling(device, n=args.ceiling_size)
     results = measure(runners, ceiling, args.iters, args.repeats, deadline)
     summaries = [summarise(r.label, results[r.label], r.batch_size, flops) for r in runners]
-    print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].pairs} interleaved "
-          f"(bare, full) step pairs per setting ({args.iters} per repetition)")
+    print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].rounds} interleaved "
+          f"rounds of {args.iters} bare and {args.iters} full steps per setting; 1-min load "
+          f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     if args.table:
-        s0 = summaries[0]
-        print(f"matmul ceiling (2048^3 torch.mm, median of the per-row best-of-3): "
-              f"fp32 {s0.ceil32:.1f} GFLOP/s, bf16 {s0.ceil16:.1f} GFLOP/s\n")
+        everything = [b for r in runners for b in results[r.label]]
+        print(f"matmul ceiling ({args.ceiling_size}^3 torch.mm, median over all blocks): fp32 "
+              f"{statistics.median(b.ceil32 for b in everything):.1f} GFLOP/s, bf16 "
+              f"{statistics.median(b.ceil16 for b in everything):.1f} GFLOP/s\n")
         print_table(summaries)
     else:
         print(f"setting: {summaries[0].label}")
-        print_report(summaries[0], cases[0][1])
+        print_report(summaries[0], args.ceiling_size)
     if tmp is not None:
         tmp.cleanup()
 

@@ -25,7 +25,7 @@ BF16_REL_TOL = 2e-2
 def test_bench_step_smoke(tmp_path: Path) -> None:
     write_random_dataset(tmp_path, TINY_IMG_SIZE, years=1, samples_per_year=24)
     cmd = [sys.executable, "-m", "bench.bench_step", "--config", "tiny", "--iters", "3",
-           "--repeats", "2"]
+           "--repeats", "2", "--ceiling_size", "1024"]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env({"DATA_DIR": str(tmp_path)}),
                           capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr

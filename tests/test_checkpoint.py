@@ -143,6 +143,21 @@ def test_only_the_last_k_are_kept(params, tmp_path):
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt_00000005.pt")
 
 
+def test_a_new_start_sets_aside_later_checkpoints_of_an_earlier_run(params, tmp_path):
+    """Resuming from 4 (or starting afresh) in a directory that holds 8 and 12 of an earlier
+    run: those move to checkpoints/superseded-*/, so keep-K cannot delete the new run's
+    files in their favour and `--resume` cannot pick them up later."""
+    run = Run(params, tmp_path)
+    for it in (4, 8, 12):
+        run.ckpt.save(it, 1, it)
+    run.ckpt.start_at(4)
+    assert [Path(p).name for p in list_checkpoints(str(tmp_path))] == ["ckpt_00000004.pt"]
+    (aside,) = (tmp_path / "checkpoints").glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["ckpt_00000008.pt", "ckpt_00000012.pt"]
+    run.ckpt.start_at(0)  # a fresh start: nothing of the earlier run stays in the way
+    assert list_checkpoints(str(tmp_path)) == []
+
+
 # ----------------------------------------------------------------- atomic saves
 
 KILLED_SAVER = """

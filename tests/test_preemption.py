@@ -1,8 +1,9 @@
 """Preemption and failures with real processes and real signals (utils/preemption.py).
 
-  - one process, SIGUSR1 once training has started: checkpoint, exit 3, `scontrol requeue`
-    (a stand-in scontrol on PATH); the restarted run (SLURM_RESTART_COUNT=1, `--requeue`)
-    resumes by itself and ends bitwise equal to the uninterrupted run;
+  - one process with two DataLoader workers, SIGUSR1 to all of them once training has
+    started (as SLURM signals every process of a step): checkpoint, exit 3, `scontrol
+    requeue` (a stand-in scontrol on PATH); the restarted run (SLURM_RESTART_COUNT=1,
+    `--requeue`) resumes by itself and ends bitwise equal to the uninterrupted run;
   - a 2-rank torchrun job, SIGTERM to torchrun: it forwards SIGTERM to both workers, which
     save together and exit 3 (torchrun exits 1); `--resume` ends bitwise equal to the
     uninterrupted DDP run;
@@ -150,10 +151,12 @@ def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(tiny_data,
     slurm = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     log_dir = tmp_path / "logs"
 
-    run = LiveRun("train.py", [*SIGNALLED_ARGS, "--requeue"], data_dir=tiny_data,
-                  log_dir=log_dir, env_extra=slurm)
+    # Two DataLoader workers, and the signal goes to every process of the run, as SLURM
+    # sends it to every process of a job step: the workers must survive it too.
+    args = [*SIGNALLED_ARGS, "--requeue", "--num_data_workers=2"]
+    run = LiveRun("train.py", args, data_dir=tiny_data, log_dir=log_dir, env_extra=slurm)
     run.wait_for(STARTED)
-    run.proc.send_signal(signal.SIGUSR1)
+    os.killpg(run.proc.pid, signal.SIGUSR1)
     assert run.wait() == EXIT_PREEMPTED, run.output[-4000:]
     k = stopped_at(run.output, signal.SIGUSR1)
     assert 1 <= k < ITERS
@@ -164,9 +167,8 @@ def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(tiny_data,
     assert "Traceback" not in run.output
 
     # What SLURM reruns: the same command line, now with SLURM_RESTART_COUNT=1.
-    restart = run_script("train.py", [*SIGNALLED_ARGS, "--requeue"], data_dir=tiny_data,
-                         log_dir=log_dir, env_extra={**slurm, "SLURM_RESTART_COUNT": "1"},
-                         timeout=TIMEOUT)
+    restart = run_script("train.py", args, data_dir=tiny_data, log_dir=log_dir,
+                         env_extra={**slurm, "SLURM_RESTART_COUNT": "1"}, timeout=TIMEOUT)
     assert_finished(restart)
     assert "SLURM restart 1 of a --requeue job: resuming" in restart.stdout
     assert re.search(rf"Resumed from \S+ckpt_{k:08d}\.pt: {resume_line(k)}", restart.stdout), \

@@ -137,6 +137,9 @@ def test_resume_at_an_epoch_end_is_exact_and_tensorboard_stays_one_curve(
     assert_finished(run)
     assert f"Resumed from {ckpt8}: iteration 8, epoch 1, 8 batches into it" in run.stdout
     assert "Initial val loss" not in run.stdout
+    # The copied checkpoints after 8 belong to the abandoned timeline: set aside, not used.
+    (aside,) = ckpt8.parent.glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["ckpt_00000012.pt", "ckpt_00000016.pt"]
 
     assert_same_state(final_checkpoint(exp_dir(run)), final_checkpoint(ref_dir))
     # The resumed run logs epoch 1's end (from the restored loss sum) and epoch 2: the same

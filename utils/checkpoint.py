@@ -21,6 +21,8 @@ import glob
 import logging
 import os
 import random
+import re
+import time
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from utils.training import settle
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,33 @@ def list_checkpoints(exp_dir: str) -> list[str]:
 def latest_checkpoint(exp_dir: str) -> str | None:
     files = list_checkpoints(exp_dir)
     return files[-1] if files else None
+
+
+def checkpoint_iteration(path: str) -> int:
+    m = re.search(r"ckpt_(\d+)\.pt$", path)
+    return int(m.group(1)) if m else -1
+
+
+def set_aside_newer(exp_dir: str, iters: int) -> str | None:
+    """Move this run directory's checkpoints beyond iteration `iters` into
+    checkpoints/superseded-<time>/ (nothing is deleted); returns that directory.
+
+    They belong to a timeline the starting run abandons: an earlier run in the same
+    directory (a fresh start) or the part after an older checkpoint it resumes from. Left in
+    place, keep-K would delete the new run's files in their favour (names sort by iteration)
+    and `--resume` (auto) would pick them up after the next interruption.
+    """
+    newer = [f for f in list_checkpoints(exp_dir) if checkpoint_iteration(f) > iters]
+    if not newer:
+        return None
+    target = os.path.join(checkpoint_dir(exp_dir),
+                          "superseded-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(target, exist_ok=True)
+    for f in newer:
+        os.replace(f, os.path.join(target, os.path.basename(f)))
+    log.warning(f"Moved {len(newer)} checkpoint(s) after iteration {iters} of an earlier run "
+                f"to {target}")
+    return target
 
 
 def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> str | None:
@@ -289,6 +320,12 @@ class Checkpointer:
         self.names = [n for n, _ in unwrap(model).named_parameters()]
         self.last_saved: str | None = None  # what a failure message points the user to
 
+    def start_at(self, iters: int) -> None:
+        """Called once the run knows where it starts (0, or the resumed iteration): checkpoints
+        of this directory beyond that point are set aside (see `set_aside_newer`)."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            set_aside_newer(self.exp_dir, iters)
+
     def _device(self) -> torch.device:
         return next(unwrap(self.model).parameters()).device
 
@@ -302,6 +339,7 @@ class Checkpointer:
         bad = next((n for n, p in module.named_parameters()
                     if not bool(torch.isfinite(p.detach()).all())), None)
         if _any_rank(bad is not None, device):
+            settle()  # every rank raises now and exits
             raise FloatingPointError(
                 f"parameters are NaN/inf at iteration {iters}"
                 f"{f' ({bad})' if bad else ''}: not saved; the last checkpoint "
@@ -336,9 +374,10 @@ class Checkpointer:
             except OSError as e:
                 error[0] = f"cannot write checkpoint {path}: {e.strerror or e}"
         if dist.is_initialized():
-            # Instead of a barrier: nobody exits or reads before the file is complete, and
-            # a failed write stops every rank (not only rank 0, leaving the others waiting).
+            # Nobody exits or reads before the file is complete, and a failed write stops
+            # every rank (not only rank 0, leaving the others waiting).
             dist.broadcast_object_list(error, src=0)
+        settle()  # the final save can be a rank's last collective before it exits
         if error[0]:
             raise CheckpointError(error[0])
         self.last_saved = path

@@ -13,11 +13,13 @@ Which signal reaches the training processes depends on the launcher:
   torchrun                   send SIGTERM to the torchrun process: its agent forwards SIGTERM
                              to every worker and gives them 30 s to exit (`--shutdown_timeout`
                              or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before SIGKILL; the workers
-                             save within that time. torchrun itself then exits non-zero (it
+                             save within that time. torchrun itself then exits 1 (it
                              reports the signal), the workers with 3. SIGUSR1 sent to torchrun
-                             kills the agent (the default action) unless it is started with
-                             `--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`;
-                             SIGUSR1 sent to any one worker also works.
+                             kills the agent (the default action) and leaves its workers
+                             running unsupervised, unless torchrun is started with
+                             `--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`
+                             (then it forwards SIGUSR1 like SIGTERM). SIGUSR1 or SIGTERM sent
+                             to any one worker also works: the all-reduce stops them all.
   srun (submit_pm*.sh)       srun starts every rank as its own task. `#SBATCH
                              --signal=USR1@120` (sbatch --signal=USR1@120) sends SIGUSR1 to
                              every task 120 s before the time limit; `scancel --signal=USR1
@@ -26,6 +28,12 @@ Which signal reaches the training processes depends on the launcher:
                              on `scancel <job>`) SLURM sends SIGTERM and, KillWait seconds later
                              (30 s by default), SIGKILL: a save that fits in that window also
                              works without --signal, but the warning gives a safe margin.
+                             SLURM signals every process of the step: PyTorch DataLoader
+                             workers inherit the handler (and ignore the signal).
+
+The handler is installed when train() starts; a signal during start-up before that (imports,
+process groups, model) ends the process the default way, without a checkpoint; the earlier
+checkpoints are untouched.
 
 Exit codes of the train scripts: 0 finished; 2 a user error (config, flags, data,
 checkpoint, NaN/inf loss: one `error: ...` line); 3 preempted, a checkpoint was written

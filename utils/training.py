@@ -155,6 +155,21 @@ class Normaliser:
         self.climatology = (clim - self.means) / self.stds  # normalised, for ACC
 
 
+def settle() -> None:
+    """A barrier, used after the last collective before a rank may exit (a finished
+    checkpoint, an error every rank raises).
+
+    Why: gloo finishes a collective on a worker thread, which then frees the collective's
+    tensors; tensors that Python created need the GIL to be freed. If the main thread reaches
+    interpreter shutdown first, that worker thread cannot take the GIL and the process aborts
+    ("terminate called without an active exception", exit -6) although the work was done
+    (seen with torch 2.13 + gloo). A barrier has no such tensors, and while the main thread
+    waits in it, without the GIL, the worker threads can finish the earlier collectives.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(values, group=group)
@@ -227,6 +242,7 @@ class NonFiniteLoss:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         iteration = int(first.item())
         if iteration != never:
+            settle()  # every rank raises now and exits
             raise FloatingPointError(
                 f"training loss is NaN/inf at iteration {iteration}: stopped without saving; "
                 f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept "
