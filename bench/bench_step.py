@@ -145,8 +145,11 @@ class StepRunner:
         self.scheduler = build_scheduler(params, self.optimizer)
         self.scaler = grad_scaler(params, device)
         self.prof = StepProfiler(device, tempfile.gettempdir(), enabled=False)
-        self.loader, _, self.sampler = get_data_loader(params, params.train_data_path, False,
-                                                       train=True)
+        get_loader = get_data_loader
+        if params.data_loader_config == "dali":  # as train.py chooses
+            from utils.data_loader_dali import get_data_loader_dali as get_loader
+        self.loader, _, self.sampler = get_loader(params, params.train_data_path, False,
+                                                  train=True)
         self.epoch, self.batches = 0, iter(())
         shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
         self.inp = torch.randn(shape, device=device)
@@ -172,8 +175,8 @@ class StepRunner:
     @property
     def prefetched(self) -> int:
         """Batches the loader's workers hold ready; 0 without workers."""
-        workers = int(self.params.num_data_workers)
-        return workers * (self.loader.prefetch_factor or 0) if workers else 0
+        workers = int(self.params.num_data_workers or 0)
+        return workers * (getattr(self.loader, "prefetch_factor", None) or 2)
 
     def bare(self, n: int) -> list[float]:
         """Seconds of each of `n` `train_step`s on the in-memory batch."""

@@ -9,7 +9,9 @@ where it stopped: same batches, same losses, bitwise the same parameters (same l
 Files: <exp_dir>/checkpoints/ckpt_<iters:08d>.pt, the newest is the one `--resume` (auto)
 takes. A save writes `<name>.tmp.<pid>`, fsyncs it and renames it over `<name>`: a crash or
 kill mid-save leaves every earlier file intact (only the stray .tmp file, removed by the
-next save). Parameters that are NaN/inf are never saved.
+next save). Parameters that are NaN/inf are never saved. A run that starts afresh, or
+resumes from an older checkpoint, in a directory holding later checkpoints moves those to
+checkpoints/superseded-<time>/ first, so that only its own files are kept and resumed.
 
 Checkpoints are loaded with `torch.load(weights_only=True)`: tensors and plain Python
 containers only, so a checkpoint file cannot run code when it is loaded.
