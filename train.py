@@ -55,12 +55,17 @@ log = logging.getLogger("train")
 
 
 def build_model(params, args, device):
-    model = vit_from_params(params).to(device)
-    if dist.is_initialized() and not args.noddp:
+    return wrap_model(vit_from_params(params).to(device), params, args, device)
+
+
+def wrap_model(model, params, args, device):
+    """DDP over the data-parallel group (every rank here; train_mp.py's dp group), then
+    torch.compile."""
+    if comm.get_size("dp") > 1 and not args.noddp:
         # DDP all-reduces gradients bucket by bucket while backward is still running.
         model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=args.bucket_cap_mb,
+            process_group=comm.get_group("dp"), bucket_cap_mb=args.bucket_cap_mb,
             broadcast_buffers=not args.disable_broadcast_buffers,
             gradient_as_bucket_view=args.disable_broadcast_buffers)
     if params.enable_jit:

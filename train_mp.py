@@ -17,7 +17,6 @@ import logging
 import sys
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 import train
 from distributed.helpers import gather_tensor, shard_tensor, sync_shared_gradients
@@ -37,17 +36,9 @@ def build_model(params, args, device):
     n_local = sum(p.numel() for p in model.parameters())
     log.info(f"Parameters on this rank: {n_local / 1e6:.2f} M; memory after model set-up "
              f"(scaffolding high-water mark) {peak_memory_gb(device):.2f} GB")
-    if comm.get_size("dp") > 1 and not args.noddp:
-        # Gradients are averaged over data-parallel replicas only: model-parallel ranks
-        # hold different shards, whose gradients must not be mixed.
-        model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=comm.get_group("dp"), bucket_cap_mb=args.bucket_cap_mb,
-            broadcast_buffers=not args.disable_broadcast_buffers,
-            gradient_as_bucket_view=args.disable_broadcast_buffers)
-    if params.enable_jit:
-        model = torch.compile(model)
-    return model
+    # DDP averages gradients over the dp group only: the ranks of a model-parallel group
+    # hold different shards, whose gradients must not be mixed.
+    return train.wrap_model(model, params, args, device)
 
 
 def train_step(model, optimizer, scaler, inp, tar, params, device, prof):

@@ -7,10 +7,9 @@ model-parallel code can swap in distributed versions without touching this file'
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
 import zlib
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -16,7 +16,7 @@ def target_vs_prediction(pred: np.ndarray, target: np.ndarray, name: str = "t2m"
         ("target (t+6h)", target), ("prediction (t+6h)", pred), ("error", pred - target)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 2.6))
     lo, hi = float(np.min(target)), float(np.max(target))
-    for ax, (title, field) in zip(axes, panels):
+    for ax, (title, field) in zip(axes, panels, strict=True):
         if title == "error":
             m = float(np.max(np.abs(field))) or 1.0
             im = ax.imshow(field, cmap="RdBu_r", vmin=-m, vmax=m)
