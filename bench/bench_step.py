@@ -155,10 +155,6 @@ class StepRunner:
         self.inp = torch.randn(shape, device=device)
         self.tar = torch.randn(shape, device=device)
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.params.local_batch_size)
-
     def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         return train_step(self.model, self.optimizer, self.scaler, inp, tar, self.params,
                           self.device, self.prof)
@@ -228,23 +224,28 @@ class Summary:
     ceil32: float
     ceil16: float
     rounds: int
+    overhead_range: tuple[float, float]  # lowest and highest round
+    frac32_range: tuple[float, float]
 
 
 def summarise(label: str, blocks: list[Block], batch: int, flops_per_sample: float) -> Summary:
     """Medians over rounds; ratios are formed within a round first."""
     med = statistics.median
     step_gflop = flops_per_sample * batch / 1e9
+    overheads = [b.full_s / b.bare_s for b in blocks]
+    fracs = [step_gflop / b.full_s / b.ceil32 for b in blocks]
     return Summary(
         label=label,
         bare_sps=med(batch / b.bare_s for b in blocks),
         full_sps=med(batch / b.full_s for b in blocks),
-        overhead=med(b.full_s / b.bare_s for b in blocks),
+        overhead=med(overheads),
         bare_gflops=med(step_gflop / b.bare_s for b in blocks),
         gflops=med(step_gflop / b.full_s for b in blocks),
-        frac32=med(step_gflop / b.full_s / b.ceil32 for b in blocks),
+        frac32=med(fracs),
         frac16=med(step_gflop / b.full_s / b.ceil16 for b in blocks),
         ceil32=med(b.ceil32 for b in blocks), ceil16=med(b.ceil16 for b in blocks),
-        rounds=len(blocks))
+        rounds=len(blocks), overhead_range=(min(overheads), max(overheads)),
+        frac32_range=(min(fracs), max(fracs)))
 
 
 def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
@@ -309,9 +310,12 @@ def print_report(s: Summary, n: int) -> None:
           f"{s.bare_gflops:.1f} GFLOP/s")
     print(f"(c) full step (loader included): {s.full_sps:.1f} samples/s, "
           f"{s.gflops:.1f} GFLOP/s")
-    print(f"framework overhead (c)/(b), time per step: {s.overhead:.3f}")
-    print(f"model FLOP/s (c): {s.gflops:.1f} GFLOP/s = {s.frac32:.2f} of the fp32 ceiling, "
-          f"{s.frac16:.2f} of the bf16 ceiling")
+    lo, hi = s.overhead_range
+    print(f"framework overhead (c)/(b), time per step: {s.overhead:.3f} "
+          f"(rounds: {lo:.3f} to {hi:.3f})")
+    lo, hi = s.frac32_range
+    print(f"model FLOP/s (c): {s.gflops:.1f} GFLOP/s = {s.frac32:.2f} of the fp32 ceiling "
+          f"(rounds: {lo:.2f} to {hi:.2f}), {s.frac16:.2f} of the bf16 ceiling")
 
 
 def print_table(summaries: list[Summary]) -> None:
@@ -325,9 +329,10 @@ def print_table(summaries: list[Summary]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = build_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=6,
-                   help="timed steps per setting and repetition (bare and full each)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--iters", type=int, default=4,
+                   help="timed steps per block: per setting and round, bare and full each")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="interleaved rounds (many short rounds: robust to other jobs' load)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting first (torch.compile compiles here)")
     p.add_argument("--budget_s", type=float, default=480.0,
@@ -351,9 +356,10 @@ def main(argv: list[str] | None = None) -> None:
                                       base.depth)
     if args.table:
         cases, overrides = [], {}
-        for label, change in [*LADDER, BEST_CPU]:
-            overrides = {**overrides, **change} if label != BEST_CPU[0] else dict(change)
+        for label, change in LADDER:
+            overrides = {**overrides, **change}
             cases.append((label, case_params(args, overrides, data_paths)))
+        cases.append((BEST_CPU[0], case_params(args, BEST_CPU[1], data_paths)))
     else:
         p = case_params(args, {}, data_paths)
         label = (f"amp {p.amp_mode}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, "
@@ -376,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()[0]
     ceiling = MatmulCeiling(device, n=args.ceiling_size)
     results = measure(runners, ceiling, args.iters, args.repeats, deadline)
-    summaries = [summarise(r.label, results[r.label], r.batch_size, flops) for r in runners]
+    summaries = [summarise(r.label, results[r.label], int(r.params.local_batch_size), flops)
+                 for r in runners]
     print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].rounds} interleaved "
           f"rounds of {args.iters} bare and {args.iters} full steps per setting; 1-min load "
           f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
