@@ -177,8 +177,9 @@ def train(params, args, device, model, step_fn=train_step, checkpoint_hooks=None
             nonfinite.record(loss, iters)  # on the device: no host sync here
             if iters == 1:
                 log.info(f"Memory after the first step {peak_memory_gb(device):.2f} GB")
-            # Every rank agrees (one all-reduce) whether any rank got SIGUSR1/SIGTERM.
-            stopping = stop.should_stop(device)
+            # Every rank agrees (one all-reduce; every 10th step on a GPU) whether any rank
+            # got SIGUSR1/SIGTERM.
+            stopping = stop.should_stop(device, iters)
             save = stopping or (interval > 0 and iters % interval == 0
                                 and iters < params.num_iters)  # the end saves anyway
             if save or nonfinite.due(iters):

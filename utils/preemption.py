@@ -69,8 +69,19 @@ class StopSignal:
         # ranks waiting. Logging from a signal handler is not safe either.
         self.received = signum
 
-    def should_stop(self, device: torch.device) -> bool:
-        """True on every rank as soon as any rank got a signal (collective when distributed)."""
+    # On a GPU the agreement costs a host sync, which would stall the queue of kernels the
+    # GPU runs ahead of Python: ask only every few steps there (SLURM warns minutes early).
+    GPU_CHECK_EVERY = 10
+
+    def should_stop(self, device: torch.device, iteration: int | None = None) -> bool:
+        """True on every rank as soon as any rank got a signal (collective when distributed).
+
+        With `iteration` on a GPU, only every GPU_CHECK_EVERY-th iteration asks; all ranks
+        pass the same iteration, so they skip or join the collective together.
+        """
+        if (device.type == "cuda" and iteration is not None
+                and iteration % self.GPU_CHECK_EVERY):
+            return False
         flag = 1.0 if self.received is not None else 0.0
         if dist.is_initialized():
             t = torch.tensor([flag], device=device)
