@@ -88,14 +88,9 @@ class _GatherFromParallelRegion(torch.autograd.Function):
         return _my_chunk(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None, None
 
 
-class _AllGatherFromParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str,
-                sizes: Sequence[int] | None) -> torch.Tensor:
-        if sizes is None:
-            sizes = exchange_sizes(x.shape[dim], group_name, x.device)
-        ctx.dim, ctx.group_name, ctx.sizes = dim, group_name, list(sizes)
-        return all_gather_along_dim(x, dim, group_name, sizes)
+class _AllGatherFromParallelRegion(_GatherFromParallelRegion):
+    """The gather's forward; the backward sums the gradients of every rank's copy (the
+    gathered tensor is used by all ranks, e.g. k and v in context-parallel attention)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:

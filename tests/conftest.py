@@ -142,3 +142,22 @@ def run_train(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
                           env_extra=env_extra, cwd=cwd, timeout=timeout, nproc=nproc)
 
     return _run
+
+
+def start_slurm_cluster(nodes: int = 1):
+    """A private SLURM cluster on this machine (tests/slurm_cluster.py), or a visible skip
+    where it cannot run (not root, no packages): in the -ra summary, as a warning and on
+    stderr. SLURM_TESTS_REQUIRED=1 turns the skip into a failure."""
+    import warnings
+
+    from slurm_cluster import ClusterUnavailable, SlurmCluster
+
+    try:
+        return SlurmCluster(nodes=nodes).start()
+    except ClusterUnavailable as e:
+        reason = f"no SLURM cluster on this machine: {e}"
+        if os.environ.get("SLURM_TESTS_REQUIRED"):
+            pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
+        print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
+        warnings.warn(reason, stacklevel=2)
+        pytest.skip(reason)

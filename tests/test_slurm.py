@@ -20,15 +20,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-
-try:
-    from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
-except ImportError:  # tests/ on sys.path (pytest's default for a directory without __init__)
-    from slurm_cluster import ClusterUnavailable, SlurmCluster
+from conftest import start_slurm_cluster
+from slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
@@ -164,22 +160,9 @@ def test_site_selection(tmp_path):
 
 
 # --------------------------------------------------------------------------- cluster
-def _no_cluster(error: ClusterUnavailable) -> None:
-    """Skip, visibly: in the summary (-ra), as a warning and on stderr."""
-    reason = f"no SLURM cluster on this machine: {error}"
-    if os.environ.get("SLURM_TESTS_REQUIRED"):
-        pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
-    print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
-    warnings.warn(reason, stacklevel=2)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    try:
-        c = SlurmCluster(nodes=1).start()
-    except ClusterUnavailable as e:
-        _no_cluster(e)
+    c = start_slurm_cluster(nodes=1)
     yield c
     c.stop()
 
@@ -350,10 +333,7 @@ def test_two_node_model_parallel_layout(workdir):
     one rendezvous, arguments passed through verbatim, the profiling fallback."""
     probe = workdir / "probe.py"
     probe.write_text(PROBE)
-    try:
-        c = SlurmCluster(nodes=2).start()
-    except ClusterUnavailable as e:
-        _no_cluster(e)
+    c = start_slurm_cluster(nodes=2)
     try:
         env = _job_env(c, workdir, rendezvous=False, TRAIN_SCRIPT=str(probe), ENABLE_PROFILING="1",
                        PROFILE_OUTPUT="probe")

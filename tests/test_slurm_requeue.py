@@ -12,19 +12,14 @@ packages); SLURM_TESTS_REQUIRED=1 turns that skip into a failure.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+from conftest import start_slurm_cluster
+from slurm_cluster import SlurmCluster
 from test_resume import assert_same_state, final_checkpoint
-
-try:
-    from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
-except ImportError:  # tests/ on sys.path (pytest's default for a directory without __init__)
-    from slurm_cluster import ClusterUnavailable, SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
 ITERS = 96  # 12 epochs: the job is still training when the signal arrives
@@ -35,21 +30,9 @@ LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_
          "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
 
 
-def _skip(error: ClusterUnavailable) -> None:
-    reason = f"no SLURM cluster on this machine: {error}"
-    if os.environ.get("SLURM_TESTS_REQUIRED"):
-        pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
-    print(f"\nSKIPPED SLURM requeue test: {reason}", file=sys.stderr)
-    warnings.warn(reason, stacklevel=2)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    try:
-        c = SlurmCluster(nodes=1).start()
-    except ClusterUnavailable as e:
-        _skip(e)
+    c = start_slurm_cluster(nodes=1)
     yield c
     c.stop()
 

@@ -165,6 +165,19 @@ class ShardSampler(DistributedSampler):
         return max(super().__len__() - self.skip, 0)
 
 
+def dataset_and_sampler(params: Any, location: str, distributed: bool, train: bool,
+                        num_replicas: int = 1, rank: int = 0
+                        ) -> tuple[ERA5Dataset, ShardSampler]:
+    """The dataset and its seeded shard sampler, shared by the PyTorch and DALI loaders."""
+    dataset = ERA5Dataset(params, location, train)
+    if not distributed:
+        num_replicas, rank = 1, 0
+    sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
+                           rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
+                           drop_last=train)
+    return dataset, sampler
+
+
 def get_data_loader(params: Any, location: str, distributed: bool, train: bool,
                     num_replicas: int = 1, rank: int = 0):
     """Returns (loader, dataset, sampler).
@@ -173,12 +186,8 @@ def get_data_loader(params: Any, location: str, distributed: bool, train: bool,
     so that the sample order depends only on (seed, epoch) and data-parallel ranks read
     disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
     """
-    dataset = ERA5Dataset(params, location, train)
-    if not distributed:
-        num_replicas, rank = 1, 0
-    sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
-                           rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
-                           drop_last=train)
+    dataset, sampler = dataset_and_sampler(params, location, distributed, train,
+                                           num_replicas, rank)
     workers = int(params.num_data_workers)
     loader = DataLoader(
         dataset,

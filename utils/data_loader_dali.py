@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.data_loader import DataError, ERA5Dataset, ShardSampler
+from utils.data_loader import DataError, ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.YParams import ConfigError
 
 log = logging.getLogger(__name__)
@@ -222,12 +222,8 @@ def get_data_loader_dali(params: Any, location: str, distributed: bool, train: b
     them itself); batches come out on the current CUDA device if there is one, else on the CPU.
     """
     require_dali()
-    dataset = ERA5Dataset(params, location, train)
-    if not distributed:
-        num_replicas, rank = 1, 0
-    sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
-                           rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
-                           drop_last=train)
+    dataset, sampler = dataset_and_sampler(params, location, distributed, train,
+                                           num_replicas, rank)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
