@@ -28,7 +28,7 @@ from utils import comm
 from utils.checkpoint import Checkpointer, resolve_resume
 from utils.cli import build_parser, load_params, set_batch_sizes
 from utils.data_loader import DataError, get_data_loader
-from utils.errors import exit_on_user_error
+from utils.errors import run_main
 from utils.logging_utils import config_logger, log_to_file
 from utils.loss import l2_loss
 from utils.preemption import EXIT_PREEMPTED, StopSignal, requeue_slurm_job
@@ -253,10 +253,7 @@ def main(argv=None):
     log.info(f"Model: {n_params / 1e6:.2f} M parameters; "
              f"memory after set-up {peak_memory_gb(device):.2f} GB")
     train(params, args, device, model)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
-        main(sys.argv[1:])
+    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)

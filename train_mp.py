@@ -16,15 +16,13 @@ The training loop is train.py's `train()`.
 import logging
 import sys
 
-import torch
-
 import train
 from distributed.helpers import gather_tensor, shard_tensor, sync_shared_gradients
 from networks.vit import vit_from_params
 from utils import comm
 from utils.checkpoint import unwrap
 from utils.cli import add_model_parallel_args, build_parser, load_params
-from utils.errors import exit_on_user_error
+from utils.errors import run_main
 from utils.loss import l2_loss
 from utils.training import autocast, init_process, peak_memory_gb
 
@@ -77,10 +75,7 @@ def main(argv=None, step_fn=train_step, optimizer_kwargs=None):
     train.train(params, args, device, model, step_fn=step_fn,
                 checkpoint_hooks=layout_free_checkpoints(model),
                 optimizer_kwargs=optimizer_kwargs)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
-        main(sys.argv[1:])
+    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)

@@ -22,7 +22,7 @@ import torch
 
 import train_mp
 from distributed.helpers import sync_shared_gradients
-from utils.errors import exit_on_user_error
+from utils.errors import run_main
 from utils.loss import l2_loss
 from utils.training import autocast
 
@@ -105,5 +105,4 @@ def split_graph_args(argv):
 
 
 if __name__ == "__main__":
-    with exit_on_user_error():
-        main(sys.argv[1:])
+    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)

@@ -196,8 +196,8 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(everyone, mine)
     if comm.get_world_rank() == 0:
         print(RESULT_TAG + json.dumps(summarise(tp, everyone)), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del model, optimizer  # nothing may hold a group when comm.shutdown joins gloo's threads
+    comm.shutdown()
 
 
 def summarise(tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:

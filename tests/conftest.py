@@ -100,6 +100,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, data_dir:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err}")
+    # Every ending of every script run here leaves torch.distributed cleanly (utils.comm).
+    assert "outlived comm.shutdown()" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
     return TrainRun(proc.returncode, proc.stdout, proc.stderr, Path(log_dir), Path(data_dir),
                     cmd)
 

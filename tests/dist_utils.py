@@ -40,9 +40,7 @@ def _worker(rank: int, world_size: int, store: str, timeout: float, fn: Callable
     except BaseException:  # noqa: BLE001 - everything goes back to pytest
         results.put((rank, traceback.format_exc(), None))
     finally:
-        comm.reset()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        comm.shutdown()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from torch.nn.parallel import DistributedDataParallel
 
 from utils import comm
 from utils.rank_generator import RankGenerator
@@ -108,3 +111,43 @@ def test_groups_on_8_processes() -> None:
     layouts = [(2, 2, "tp-cp-dp"), (2, 2, "dp-tp-cp"), (4, 2, "cp-tp-dp"), (2, 4, "tp-dp-cp"),
                (8, 1, "tp-cp-dp"), (1, 2, "dp-cp-tp")]
     run_distributed(_check_layouts, 8, layouts)
+
+
+
+def _shutdown_joins_every_communication_thread() -> tuple[int, int, int]:
+    """Groups, a DDP step and a tp all-reduce; then destroy_process_group() while a group is
+    still held (what shutdown avoids); then release it."""
+    comm.init(tp=2)  # tp = 2, dp = 2 on 4 ranks
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=comm.get_group("dp"))
+    model(torch.ones(2, 4)).sum().backward()  # DDP's all-reduce on the dp group
+    t = torch.ones(3)
+    dist.all_reduce(t, group=comm.get_group("tp"))
+    running = comm.gloo_threads()
+    held = comm.get_group("tp")
+    del model
+    comm.reset()
+    dist.destroy_process_group()
+    after_destroy_while_held = comm.gloo_threads()
+    del held
+    gc.collect()
+    return running, after_destroy_while_held, comm.gloo_threads()
+
+
+def _shutdown_after_a_ddp_step() -> int:
+    comm.init(tp=2)
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=comm.get_group("dp"))
+    model(torch.ones(2, 4)).sum().backward()
+    del model
+    comm.shutdown()
+    return comm.gloo_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_shutdown_leaves_no_communication_thread_to_outlive_the_interpreter() -> None:
+    """A gloo thread alive at interpreter exit can abort a finished run (exit -6); after
+    comm.shutdown() none is left, also after DDP (whose import of torch._dynamo would
+    otherwise bind the world group as a default argument)."""
+    for running, while_held, released in run_distributed(
+            _shutdown_joins_every_communication_thread, 4):
+        assert running > while_held > released == 0  # a held group keeps its threads
+    assert run_distributed(_shutdown_after_a_ddp_step, 4) == [0, 0, 0, 0]

@@ -18,7 +18,7 @@ from conftest import REPO, child_env
 
 from utils.data_loader import get_data_loader
 from utils.data_loader_dali import DALIUnavailableError, get_data_loader_dali
-from utils.errors import EXIT_USER_ERROR, exit_on_user_error
+from utils.errors import EXIT_USER_ERROR, run_main
 
 ATOL = 1e-6
 
@@ -154,8 +154,8 @@ def test_missing_dali_is_a_one_line_config_error(tiny_params, monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` now fails
     with pytest.raises(DALIUnavailableError, match="pip install nvidia-dali-cuda120"):
         dali(tiny_params)
-    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
-        dali(tiny_params)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(lambda argv: dali(tiny_params), [])
     assert exit_info.value.code == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "nvidia-dali-cuda120" in err

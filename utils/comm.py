@@ -16,12 +16,23 @@ Before `init` on a distributed job the layout is tp = cp = 1 and dp = the whole 
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
+
 import torch.distributed as dist
+
+# Imported before any group exists, on purpose: torch.distributed.nn.functional binds
+# `group.WORLD` as a default argument when it is first imported (DDP imports it, through
+# torch._dynamo). Imported after init_process_group, that default would hold the world group,
+# and gloo's threads with it, until the interpreter exits (see `shutdown`).
+import torch.distributed.nn  # noqa: F401, I001
 
 from utils.launch_env import resolve_launch_env
 from utils.rank_generator import RankGenerator
 
 GROUP_NAMES = ("tp", "cp", "dp", "tp-cp")
+GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
@@ -111,6 +122,50 @@ def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp", backend: str | None 
     if verbose and rank == 0:
         print(f"comm: world {world} = tp {tp} x cp {cp} x dp {layout.sizes['dp']} "
               f"(order {'-'.join(layout.order)}, fastest first)")
+
+
+def shutdown() -> None:
+    """End torch.distributed in this process: destroy every group and join gloo's threads.
+
+    Call it on every rank after the last collective, once nothing else holds a group (a DDP
+    model holds the dp group: let it go first). Why not just destroy_process_group(): a
+    group's worker threads are joined only when its last reference goes. While a reference
+    lives (our `_groups`, a DDP model), they live on into interpreter shutdown. A worker
+    thread that is still dropping the tensors of the collective that just returned then needs
+    the GIL, which at that point kills the thread in the middle of C++, and the process
+    aborts ("terminate called without an active exception", exit -6) after a successful
+    run. Here the last references go through the Python handles, which release the GIL
+    while the threads are joined, so a worker can finish what it holds.
+    """
+    held = [group for group in _groups.values() if group is not None]
+    reset()
+    if not dist.is_initialized():
+        return
+    gc.collect()  # reference cycles (a finished model, a traceback's frames) may hold a group
+    held.append(dist.group.WORLD)
+    dist.destroy_process_group()  # unregisters every group; `held` keeps ours alive until...
+    held.clear()  # ...here, where they are freed and their threads joined, GIL released
+    left = gloo_threads()
+    if left:
+        logging.getLogger("comm").warning(
+            f"{left} gloo threads outlived comm.shutdown(): something still holds a "
+            "process group, so this process may abort at exit")
+
+
+def gloo_threads() -> int:
+    """gloo's worker and socket threads alive in this process (Linux; 0 where unknown)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() in GLOO_THREAD_NAMES
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def reset() -> None:

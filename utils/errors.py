@@ -1,11 +1,13 @@
-"""User errors (bad config, data, flags) end the program with one line, not a traceback."""
+"""How a train script ends: user errors (bad config, data, flags) with one line, not a
+traceback, and every ending with torch.distributed shut down cleanly."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+from utils import comm
 from utils.checkpoint import CheckpointError
 from utils.data_loader import DataError
 from utils.launch_env import LaunchError
@@ -16,10 +18,22 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, LaunchEr
 EXIT_USER_ERROR = 2
 
 
-@contextlib.contextmanager
-def exit_on_user_error() -> Iterator[None]:
+def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoReturn:
+    """Run a script's `main(argv)` and exit: 0 when it returns, its own code when it calls
+    sys.exit (e.g. preempted), 2 with one `error:` line for a user error.
+
+    Every such ending first shuts torch.distributed down (`comm.shutdown`). That happens
+    after the `try`, where the exception and the frames its traceback held (the model, and
+    the group DDP keeps) are already gone. Other exceptions are bugs: they propagate with
+    their traceback.
+    """
+    code: Any = 0
     try:
-        yield
+        main(argv)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        code = EXIT_USER_ERROR
+    except SystemExit as e:
+        code = e.code
+    comm.shutdown()
+    sys.exit(code)

@@ -156,16 +156,9 @@ class Normaliser:
 
 
 def settle() -> None:
-    """A barrier, used after the last collective before a rank may exit (a finished
-    checkpoint, an error every rank raises).
-
-    Why: gloo finishes a collective on a worker thread, which then frees the collective's
-    tensors; tensors that Python created need the GIL to be freed. If the main thread reaches
-    interpreter shutdown first, that worker thread cannot take the GIL and the process aborts
-    ("terminate called without an active exception", exit -6) although the work was done
-    (seen with torch 2.13 + gloo). A barrier has no such tensors, and while the main thread
-    waits in it, without the GIL, the worker threads can finish the earlier collectives.
-    """
+    """A barrier before the ranks leave together (a finished checkpoint, an error every rank
+    raises): no rank shuts its connections down (`comm.shutdown`) while a peer is still
+    in a collective with it."""
     if dist.is_initialized():
         dist.barrier()
 
