@@ -146,6 +146,20 @@ def run_train(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     return _run
 
 
+def slurm_job_output(cluster, job: int, timeout: float) -> str:
+    """The output of SLURM `job` once it has COMPLETED with exit 0; otherwise the test fails
+    with the job's output and the SLURM daemons' logs."""
+    try:
+        state, code = cluster.wait(job, timeout=timeout)
+    except TimeoutError as e:
+        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
+    out = cluster.output(job)
+    assert (state, code) == ("COMPLETED", 0), \
+        f"job {job}: {state} exit {code}\n--- job output\n{out[-4000:]}\n" \
+        f"--- daemons\n{cluster.daemon_logs(10)}"
+    return out
+
+
 def start_slurm_cluster(nodes: int = 1):
     """A private SLURM cluster on this machine (tests/slurm_cluster.py), or a visible skip
     where it cannot run (not root, no packages): in the -ra summary, as a warning and on

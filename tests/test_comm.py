@@ -114,12 +114,17 @@ def test_groups_on_8_processes() -> None:
 
 
 
-def _shutdown_joins_every_communication_thread() -> tuple[int, int, int]:
-    """Groups, a DDP step and a tp all-reduce; then destroy_process_group() while a group is
-    still held (what shutdown avoids); then release it."""
+def _groups_and_a_ddp_step() -> DistributedDataParallel:
     comm.init(tp=2)  # tp = 2, dp = 2 on 4 ranks
     model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=comm.get_group("dp"))
     model(torch.ones(2, 4)).sum().backward()  # DDP's all-reduce on the dp group
+    return model
+
+
+def _shutdown_joins_every_communication_thread() -> tuple[int, int, int]:
+    """Groups, a DDP step and a tp all-reduce; then destroy_process_group() while a group is
+    still held (what shutdown avoids); then release it."""
+    model = _groups_and_a_ddp_step()
     t = torch.ones(3)
     dist.all_reduce(t, group=comm.get_group("tp"))
     running = comm.gloo_threads()
@@ -134,10 +139,7 @@ def _shutdown_joins_every_communication_thread() -> tuple[int, int, int]:
 
 
 def _shutdown_after_a_ddp_step() -> int:
-    comm.init(tp=2)
-    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=comm.get_group("dp"))
-    model(torch.ones(2, 4)).sum().backward()
-    del model
+    _groups_and_a_ddp_step()  # the model it returns is dropped at once
     comm.shutdown()
     return comm.gloo_threads()
 

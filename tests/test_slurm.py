@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import start_slurm_cluster
+from conftest import slurm_job_output, start_slurm_cluster
 from slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -233,18 +233,6 @@ def training_jobs(cluster, dataset, workdir):
     }
 
 
-def _finished_ok(cluster: SlurmCluster, job: int, timeout: float = JOB_TIMEOUT) -> str:
-    try:
-        state, code = cluster.wait(job, timeout=timeout)
-    except TimeoutError as e:
-        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
-    out = cluster.output(job)
-    assert (state, code) == ("COMPLETED", 0), \
-        f"job {job}: {state} exit {code}\n--- job output\n{out[-4000:]}\n" \
-        f"--- daemons\n{cluster.daemon_logs(10)}"
-    return out
-
-
 def test_preemption_requeue_resume(cluster, training_jobs):
     """The tutorial's preemption path under real SLURM: USR1 to the tasks -> train.py saves
     a checkpoint and requeues its own job -> the rerun (same arguments) resumes there.
@@ -255,7 +243,7 @@ def test_preemption_requeue_resume(cluster, training_jobs):
     except TimeoutError as e:
         pytest.fail(str(e))
     cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit
-    out = _finished_ok(cluster, job)
+    out = slurm_job_output(cluster, job, JOB_TIMEOUT)
     stopped = re.search(r"stopped at iteration (\d+)", out)
     resumed = re.search(r"Resumed from \S+: iteration (\d+)", out)
     assert stopped and resumed, out[-4000:]
@@ -266,7 +254,7 @@ def test_preemption_requeue_resume(cluster, training_jobs):
 
 
 def test_single_process_job(cluster, training_jobs):
-    out = _finished_ok(cluster, training_jobs["single"])
+    out = slurm_job_output(cluster, training_jobs["single"], JOB_TIMEOUT)
     assert "site=generic" in out
     assert re.search(r"task RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 ", out), out[-3000:]
     assert "world size 1 (env launcher)" in out, out[-3000:]
@@ -275,7 +263,7 @@ def test_single_process_job(cluster, training_jobs):
 
 
 def test_data_parallel_job(cluster, training_jobs):
-    out = _finished_ok(cluster, training_jobs["dp"])
+    out = slurm_job_output(cluster, training_jobs["dp"], JOB_TIMEOUT)
     tasks = re.findall(r"task RANK=(\d) LOCAL_RANK=(\d) WORLD_SIZE=2 MASTER_ADDR=(\S+) "
                        r"MASTER_PORT=(\d+)", out)
     assert sorted(t[:2] for t in tasks) == [("0", "0"), ("1", "1")], out[-3000:]
@@ -287,7 +275,7 @@ def test_data_parallel_job(cluster, training_jobs):
 
 def test_model_parallel_job(cluster, training_jobs):
     """submit_pm_mp.sh runs train_mp.py: 2 tasks = tensor parallel 2 x data parallel 1."""
-    out = _finished_ok(cluster, training_jobs["mp"])
+    out = slurm_job_output(cluster, training_jobs["mp"], JOB_TIMEOUT)
     assert "train_mp.py --config=tiny --row_parallel_size=2" in out
     assert "world size 2 (env launcher)" in out, out[-3000:]
     assert "local batch 4" in out  # dp = 1: each rank sees the whole global batch
@@ -340,7 +328,7 @@ def test_two_node_model_parallel_layout(workdir):
         args = ["--config=mp", "--row_parallel_size=2", "two words", "quote'\"$HOME"]
         job = c.submit("submit_pm_mp.sh", args, env=env, cwd=str(REPO),
                        sbatch_opts=["-N", "2", "--ntasks-per-node=2", _out_opt(workdir)])
-        out = _finished_ok(c, job, timeout=60)
+        out = slurm_job_output(c, job, timeout=60)
     finally:
         c.stop()
     try:
@@ -381,5 +369,5 @@ def test_harness_signal_and_requeue(cluster, workdir):
     cluster.signal(job, "USR1", batch=True)
     cluster.wait_output(job, "got USR1", timeout=30)
     cluster.requeue(job)
-    out = _finished_ok(cluster, job, timeout=90)
+    out = slurm_job_output(cluster, job, timeout=90)
     assert "start restart=1" in out and "second run" in out, out

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import start_slurm_cluster
+from conftest import slurm_job_output, start_slurm_cluster
 from slurm_cluster import SlurmCluster
 from test_resume import assert_same_state, final_checkpoint
 
@@ -48,17 +48,6 @@ def _submit(cluster: SlurmCluster, workdir: Path, data: Path, name: str,
                                        f"--output={workdir}/%x-%j.out"])
 
 
-def _finished(cluster: SlurmCluster, job: int) -> str:
-    try:
-        state, code = cluster.wait(job, timeout=JOB_TIMEOUT)
-    except TimeoutError as e:
-        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
-    out = cluster.output(job)
-    assert (state, code) == ("COMPLETED", 0), \
-        f"job {job}: {state} exit {code}\n{out[-4000:]}\n--- daemons\n{cluster.daemon_logs(10)}"
-    return out
-
-
 def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_data,
                                                                    tmp_path):
     reference = _submit(cluster, tmp_path, tiny_data, "reference", [])
@@ -69,7 +58,7 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_d
         pytest.fail(str(e))
     cluster.signal(preempted, "USR1")  # what `sbatch --signal=USR1@<seconds>` sends
 
-    out = _finished(cluster, preempted)
+    out = slurm_job_output(cluster, preempted, JOB_TIMEOUT)
     stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
     assert stopped, out[-4000:]
     k = int(stopped.group(1))
@@ -80,7 +69,7 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_d
     assert out.count("site=generic") == 2  # two runs of the batch script, one output file
     assert f"Finished {ITERS} iterations" in out
 
-    ref_out = _finished(cluster, reference)
+    ref_out = slurm_job_output(cluster, reference, JOB_TIMEOUT)
     assert "Resumed" not in ref_out and f"Finished {ITERS} iterations" in ref_out
     assert_same_state(final_checkpoint(tmp_path / "preempted" / "tiny" / "1CPU" / "00"),
                       final_checkpoint(tmp_path / "reference" / "tiny" / "1CPU" / "00"))
