@@ -379,8 +379,8 @@ class Checkpointer:
             # Nobody exits or reads before the file is complete, and a failed write stops
             # every rank (not only rank 0, leaving the others waiting).
             dist.broadcast_object_list(error, src=0)
-        settle()  # the final save can be a rank's last collective before it exits
         if error[0]:
+            settle()  # every rank raises now and exits
             raise CheckpointError(error[0])
         self.last_saved = path
         return path if rank == 0 else None

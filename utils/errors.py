@@ -11,6 +11,8 @@ from utils import comm
 from utils.checkpoint import CheckpointError
 from utils.data_loader import DataError
 from utils.launch_env import LaunchError
+from utils.preemption import EXIT_PREEMPTED
+from utils.training import settle
 from utils.YParams import ConfigError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, LaunchError,
@@ -24,8 +26,9 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
 
     Every such ending first shuts torch.distributed down (`comm.shutdown`). That happens
     after the `try`, where the exception and the frames its traceback held (the model, and
-    the group DDP keeps) are already gone. Other exceptions are bugs: they propagate with
-    their traceback.
+    the group DDP keeps) are already gone. A finished or preempted run ends on every rank
+    at once, so the ranks meet at a barrier first (an error every rank raises has passed
+    one already). Other exceptions are bugs: they propagate with their traceback.
     """
     code: Any = 0
     try:
@@ -35,5 +38,7 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
         code = EXIT_USER_ERROR
     except SystemExit as e:
         code = e.code
+    if code in (0, None, EXIT_PREEMPTED):
+        settle()
     comm.shutdown()
     sys.exit(code)

@@ -156,8 +156,8 @@ class Normaliser:
 
 
 def settle() -> None:
-    """A barrier before the ranks leave together (a finished checkpoint, an error every rank
-    raises): no rank shuts its connections down (`comm.shutdown`) while a peer is still
+    """A barrier before the ranks leave together (a finished or preempted run, an error every
+    rank raises): no rank shuts its connections down (`comm.shutdown`) while a peer is still
     in a collective with it."""
     if dist.is_initialized():
         dist.barrier()
