@@ -44,7 +44,7 @@ def test_documented_order() -> None:
     assert gen.get_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert gen.get_ranks("tp-cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert gen.coords(6) == {"tp": 0, "cp": 1, "dp": 1}
+    assert gen.coords(6) == {"tp": 0, "cp": 1, "h": 0, "w": 0, "dp": 1}
     # "dp-tp-cp": dp fastest, then tp, then cp
     gen = RankGenerator(2, 2, 2, "dp-tp-cp")
     assert gen.get_ranks("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -54,7 +54,7 @@ def test_documented_order() -> None:
 
 def test_bad_layouts() -> None:
     with pytest.raises(ValueError, match="order"):
-        RankGenerator(2, 1, 1, "tp-dp")
+        RankGenerator(1, 2, 1, "tp-dp")  # cp has size 2 but is not placed
     with pytest.raises(ValueError, match="axis"):
         RankGenerator(2, 1, 1, "tp-cp-xx")
     with pytest.raises(ValueError, match="positive"):
@@ -70,7 +70,7 @@ def test_without_torch_distributed() -> None:
     assert comm.get_local_rank() == 0
     comm.init(tp=1, cp=1)
     assert comm.get_size("tp-cp") == 1 and comm.get_group("dp") is None
-    with pytest.raises(ValueError, match=r"world size 1 .* tp\*cp = 2 \(tp=2, cp=1\)"):
+    with pytest.raises(ValueError, match=r"world size 1 .* tp x cp x h x w = 2 x 1 x 1 x 1"):
         comm.init(tp=2, cp=1)
     with pytest.raises(KeyError, match="unknown process group"):
         comm.get_size("pp")
@@ -96,7 +96,7 @@ def _check_layouts(layouts: list[tuple[int, int, str]]) -> None:
     try:
         comm.init(tp=bad, cp=1)
     except ValueError as e:
-        assert f"world size {world}" in str(e) and f"tp={bad}, cp=1" in str(e)
+        assert f"world size {world}" in str(e) and f"{bad} x 1 x 1 x 1" in str(e)
     else:
         raise AssertionError("indivisible layout accepted")
 
@@ -153,3 +153,15 @@ def test_shutdown_leaves_no_communication_thread_to_outlive_the_interpreter() ->
             _shutdown_joins_every_communication_thread, 4):
         assert running > while_held > released == 0  # a held group keeps its threads
     assert run_distributed(_shutdown_after_a_ddp_step, 4) == [0, 0, 0, 0]
+
+
+def test_spatial_mesh_groups() -> None:
+    # tp=1 cp=1, h=2 x w=2 x dp=2 in the default order: h fastest, then w, then dp
+    gen = RankGenerator(1, 1, 2, h=2, w=2)
+    assert gen.get_ranks("h") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gen.get_ranks("w") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert gen.get_ranks("h-w") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert gen.get_ranks("tp-cp-h-w") == gen.get_ranks("h-w")
+    assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="order"):
+        RankGenerator(1, 1, 1, "tp-cp-dp", h=2)  # h has size 2 but is not placed

@@ -1,13 +1,16 @@
-"""Named process groups for tensor (tp), context (cp) and data (dp) parallelism.
+"""Named process groups for tensor (tp), context (cp), spatial (h, w) and data (dp) parallelism.
 
-Call `init(tp, cp, order)` once per process after `torch.distributed` is initialised (the
+Call `init(tp, cp, order, h=..., w=...)` once per process after `torch.distributed` is initialised (the
 train scripts do that; `init` initialises it from the launcher's environment otherwise).
 It builds, on every process, the groups it belongs to:
 
     "tp"     ranks that hold different shards of the same layers (heads, MLP columns)
     "cp"     ranks that hold different slices of the token sequence
+    "h", "w" ranks that hold different rows / columns of the (lat, lon) token grid (AFNO)
     "dp"     ranks that hold the same model and see different samples (DDP averages here)
-    "tp-cp"  the whole model-parallel group: one full model replica
+    "tp-cp"  tensor x context parallel ranks
+    "h-w"    the spatial mesh: ranks that together hold the whole grid
+    "mp"     the whole model-parallel group (tp x cp x h x w): one full model replica
 
 Everything also works without torch.distributed (one process): sizes 1, ranks 0, groups None.
 Before `init` on a distributed job the layout is tp = cp = 1 and dp = the whole world
@@ -31,7 +34,9 @@ import torch.distributed.nn  # noqa: F401, I001
 from utils.launch_env import resolve_launch_env
 from utils.rank_generator import RankGenerator
 
-GROUP_NAMES = ("tp", "cp", "dp", "tp-cp")
+GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
+# "mp" is a name, not an axis: the group of all model-parallel axes.
+MP_AXES = "tp-cp-h-w"
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 _sizes: dict[str, int] = {}
@@ -87,9 +92,9 @@ def get_layout() -> RankGenerator | None:
     return _layout
 
 
-def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp", backend: str | None = None,
-         verbose: bool = False) -> None:
-    """Build the tp, cp, dp and tp-cp groups for a tp x cp x dp layout.
+def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", backend: str | None = None,
+         verbose: bool = False, h: int = 1, w: int = 1) -> None:
+    """Build the process groups of a tp x cp x h x w x dp layout (dp is what is left).
 
     `order` lists the axes fastest-varying first (see utils.rank_generator). Every process
     must call this with the same arguments: creating a group is collective over the world.
@@ -102,26 +107,31 @@ def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp", backend: str | None 
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                     init_method=f"tcp://{env.master_addr}:{env.master_port}")
     world = get_world_size()
-    if tp < 1 or cp < 1 or world % (tp * cp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*cp = {tp * cp} "
-                         f"(tp={tp}, cp={cp}): choose tp and cp whose product divides it")
-    layout = RankGenerator(tp, cp, world // (tp * cp), order)
+    model_parallel = tp * cp * h * w
+    if min(tp, cp, h, w) < 1 or world % model_parallel != 0:
+        raise ValueError(f"world size {world} is not divisible by tp x cp x h x w = "
+                         f"{tp} x {cp} x {h} x {w}: choose sizes whose product divides it")
+    layout = RankGenerator(tp, cp, world // model_parallel, order, h=h, w=w)
     rank = get_world_rank()
     sizes, ranks, groups = {}, {}, {}
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # same members, same group
     for name in GROUP_NAMES:
-        for members in layout.get_ranks(name):
+        for members in layout.get_ranks(MP_AXES if name == "mp" else name):
             # new_group is collective over the whole world: every process creates every group
-            group = dist.new_group(ranks=members) if is_distributed() else None
+            key = tuple(members)
+            if key not in made:
+                made[key] = dist.new_group(ranks=members) if is_distributed() else None
             if rank in members:
-                sizes[name], ranks[name], groups[name] = len(members), members.index(rank), group
+                sizes[name], ranks[name], groups[name] = len(members), members.index(rank), \
+                    made[key]
     reset()
     _sizes.update(sizes)
     _ranks.update(ranks)
     _groups.update(groups)
     _layout = layout
     if verbose and rank == 0:
-        print(f"comm: world {world} = tp {tp} x cp {cp} x dp {layout.sizes['dp']} "
-              f"(order {'-'.join(layout.order)}, fastest first)")
+        print(f"comm: world {world} = tp {tp} x cp {cp} x h {h} x w {w} x dp "
+              f"{layout.sizes['dp']} (order {'-'.join(layout.order)}, fastest first)")
 
 
 def shutdown() -> None:

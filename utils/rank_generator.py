@@ -1,9 +1,11 @@
-"""Rank layout of a tp x cp x dp job: which global ranks form each process group.
+"""Rank layout of a tp x cp x h x w x dp job: which global ranks form each process group.
 
 Pure integer logic (no torch), so it can be tested and reasoned about without processes.
 
-The order string lists the axes from fastest- to slowest-varying. With the default
-"tp-cp-dp" and tp=2, cp=2, dp=2, global rank r has coordinates
+Axes: tp (tensor parallel), cp (context parallel), h and w (the two axes of the spatial
+grid, for the AFNO model's distributed FFT) and dp (data parallel). The order string lists
+the axes from fastest- to slowest-varying; axes it leaves out must have size 1. With the
+default "tp-cp-h-w-dp" and tp=2, cp=2, dp=2, global rank r has coordinates
     tp = r % 2,   cp = (r // 2) % 2,   dp = r // 4
 so the tensor-parallel partners (the most communication-hungry group) are adjacent ranks,
 i.e. on the same node / NVLink domain.
@@ -13,22 +15,28 @@ from __future__ import annotations
 
 import math
 
-AXES = ("tp", "cp", "dp")
+AXES = ("tp", "cp", "h", "w", "dp")
+DEFAULT_ORDER = "-".join(AXES)
 
 
 class RankGenerator:
-    """Maps global ranks to (tp, cp, dp) coordinates and enumerates process groups."""
+    """Maps global ranks to (tp, cp, h, w, dp) coordinates and enumerates process groups."""
 
-    def __init__(self, tp: int, cp: int, dp: int, order: str = "tp-cp-dp"):
-        sizes = {"tp": tp, "cp": cp, "dp": dp}
+    def __init__(self, tp: int, cp: int, dp: int, order: str = DEFAULT_ORDER,
+                 h: int = 1, w: int = 1):
+        sizes = {"tp": tp, "cp": cp, "h": h, "w": w, "dp": dp}
         for axis, size in sizes.items():
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis} size must be a positive integer, got {size!r}")
-        self.order = parse_axes(order)
-        if sorted(self.order) != sorted(AXES):
-            raise ValueError(f"order {order!r} must name each of tp, cp, dp exactly once")
+        named = parse_axes(order)
+        left_out = [a for a in AXES if a not in named]
+        if any(sizes[a] > 1 for a in left_out) or "dp" not in named:
+            raise ValueError(f"order {order!r} must name dp and every axis of size > 1 "
+                             f"({', '.join(a for a in AXES if sizes[a] > 1 or a == 'dp')}) "
+                             "exactly once")
+        self.order = named + left_out  # axes of size 1 go anywhere: put them last
         self.sizes = sizes
-        self.world_size = tp * cp * dp
+        self.world_size = math.prod(sizes.values())
         # stride of each axis in the global rank: product of the sizes of faster axes
         self.strides: dict[str, int] = {}
         stride = 1
@@ -37,20 +45,20 @@ class RankGenerator:
             stride *= sizes[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Global rank -> {"tp": i, "cp": j, "dp": k}."""
+        """Global rank -> {"tp": i, "cp": j, "h": k, "w": l, "dp": m}."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         return {a: (rank // self.strides[a]) % self.sizes[a] for a in AXES}
 
     def rank(self, coords: dict[str, int]) -> int:
         """Inverse of `coords`."""
-        return sum(coords[a] * self.strides[a] for a in AXES)
+        return sum(coords.get(a, 0) * self.strides[a] for a in AXES)
 
     def group_size(self, name: str) -> int:
         return math.prod(self.sizes[a] for a in parse_axes(name))
 
     def get_ranks(self, name: str) -> list[list[int]]:
-        """All groups along the axes in `name` ("tp", "cp", "dp", "tp-cp", ...).
+        """All groups along the axes in `name` ("tp", "cp", "dp", "tp-cp", "h-w", ...).
 
         A group is the set of ranks whose coordinates agree on every axis *not* in `name`.
         Each group is sorted by global rank (its position is the rank inside the group);
