@@ -1,7 +1,8 @@
 """Named process groups for tensor (tp), context (cp), spatial (h, w) and data (dp) parallelism.
 
-Call `init(tp, cp, order, h=..., w=...)` once per process after `torch.distributed` is initialised (the
-train scripts do that; `init` initialises it from the launcher's environment otherwise).
+Call `init(tp, cp, order, h=..., w=...)` once per process after `torch.distributed` is
+initialised (the train scripts do that; `init` initialises it from the launcher's
+environment otherwise).
 It builds, on every process, the groups it belongs to:
 
     "tp"     ranks that hold different shards of the same layers (heads, MLP columns)
