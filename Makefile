@@ -16,7 +16,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 venv: $(VENV)/.installed
 
 $(DATA_DIR)/stats/time_means.npy: | $(VENV)/.installed
-	$(PY) -m utils.synthetic_data --out $(DATA_DIR)
+	$(PY) -m utils.data.synthetic --out $(DATA_DIR)
 
 data: $(DATA_DIR)/stats/time_means.npy
 

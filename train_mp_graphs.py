@@ -6,7 +6,12 @@
 A replay launches the whole forward/backward (and, without loss scaling, the optimizer
 step) as one graph: no Python and no per-kernel launch cost. What capture requires, and
 this file adds on top of train_mp.py:
-  - a warm-up of `--graph_warmup` eager steps on a side stream (DDP needs >= 11 before capture);
+  - capture before the loop iterates the data loaders, whose threads make CUDA calls of
+    their own (pin memory, DALI prefetch): `prepare` warms up and captures on random data,
+    then puts the model, optimizer and loss scale back as they were (so the run trains
+    exactly as train_mp.py would);
+  - a warm-up of `--graph_warmup` eager steps on a side stream created on this rank's
+    device (DDP needs >= 11 before capture; train_mp.py builds DDP on a side stream too);
   - static input/target buffers: each step copies the batch into them, then replays;
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
@@ -22,65 +27,89 @@ import torch
 
 import train_mp
 from distributed.helpers import sync_shared_gradients
-from utils.errors import run_main
-from utils.loss import l2_loss
-from utils.training import autocast
+from utils.evaluation import l2_loss
+from utils.precision import autocast
+from utils.run.main import run_main
 
 log = logging.getLogger("train_mp_graphs")
 
 
 class GraphedStep:
-    """A `step_fn` for train.train(): eager warm-up, one capture, then replays."""
+    """A `step` for train.train(): `prepare` captures the graph, each call replays it."""
 
     def __init__(self, warmup_iters: int = 20):
         self.warmup_iters = warmup_iters
-        self.done = 0
-        self.graph = None
-        self.stream = torch.cuda.Stream()
 
-    def _step_body(self, model, optimizer, scaler, inp, tar, params, device):
-        with autocast(params, device):
-            loss = l2_loss(model(inp), tar)
-        scaler.scale(loss).backward()
-        sync_shared_gradients(model)
-        if not scaler.is_enabled():
-            optimizer.step()
+    def _body(self, run, inp, tar):
+        """What the graph holds: train_mp.py's step without the eager-only parts."""
+        with autocast(run.params, run.device):
+            loss = l2_loss(run.model(inp), tar)
+        run.scaler.scale(loss).backward()
+        sync_shared_gradients(run.model)
+        if not run.scaler.is_enabled():
+            run.optimizer.step()
         return loss
 
-    def __call__(self, model, optimizer, scaler, inp, tar, params, device, prof):
-        if self.graph is None and self.done < self.warmup_iters:
-            self.stream.wait_stream(torch.cuda.current_stream())
+    def prepare(self, run) -> None:
+        """Warm up and capture on random data, then restore the run's state."""
+        device, p = run.device, run.params
+        self.stream = torch.cuda.Stream(device)  # on this rank's GPU, after set_device
+        saved = _snapshot(run)
+        with torch.random.fork_rng(devices=[device]):
+            shape = (int(p.local_batch_size), int(p.n_in_channels), *p.img_size)
+            self.static_inp = torch.randn(shape, device=device)
+            self.static_tar = torch.randn(shape, device=device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
-                loss = self._step_body(model, optimizer, scaler, inp, tar, params, device)
-                if scaler.is_enabled():
-                    scaler.step(optimizer)
-                    scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            self.done += 1
-            return loss.detach()
-        if self.graph is None:
-            self._capture(model, optimizer, scaler, inp, tar, params, device)
-        with prof.range("copy batch into static buffers"):
+                for _ in range(self.warmup_iters):
+                    self._body(run, self.static_inp, self.static_tar)
+                    if run.scaler.is_enabled():
+                        run.scaler.step(run.optimizer)
+                        run.scaler.update()
+                    run.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.current_stream(device).wait_stream(self.stream)
+            log.info(f"Capturing the training step in a CUDA graph after {self.warmup_iters} "
+                     "warm-up steps")
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (loaders) are not this capture's.
+            with torch.cuda.graph(self.graph, stream=self.stream,
+                                  capture_error_mode="thread_local"):
+                self.static_loss = self._body(run, self.static_inp, self.static_tar)
+        torch.cuda.synchronize(device)
+        _restore(run, saved)
+
+    def __call__(self, run, inp, tar):
+        with run.prof.range("copy batch into static buffers"):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
-        with prof.range("graph replay"):
+        with run.prof.range("graph replay"):
             self.graph.replay()
-        if scaler.is_enabled():
-            with prof.range("optimizer"):
-                scaler.step(optimizer)
-                scaler.update()
+        if run.scaler.is_enabled():
+            with run.prof.range("optimizer"):
+                run.scaler.step(run.optimizer)
+                run.scaler.update()
         return self.static_loss.detach().clone()
 
-    def _capture(self, model, optimizer, scaler, inp, tar, params, device):
-        log.info(f"Capturing the training step in a CUDA graph after {self.done} warm-up steps")
-        self.static_inp, self.static_tar = inp.clone(), tar.clone()
-        optimizer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_loss = self._step_body(model, optimizer, scaler, self.static_inp,
-                                               self.static_tar, params, device)
-        # The capture recorded but did not run the step: replay it for this batch.
+
+def _snapshot(run) -> dict:
+    """Copies of everything warm-up changes: parameters, optimizer state, loss scale."""
+    return {"model": [t.detach().clone() for t in run.model.state_dict().values()],
+            "optimizer": {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                          for p, s in run.optimizer.state.items()},
+            "scaler": run.scaler.state_dict()}
+
+
+@torch.no_grad()
+def _restore(run, saved: dict) -> None:
+    """Put the snapshot back *in place*: the graph holds these very tensors."""
+    for t, old in zip(run.model.state_dict().values(), saved["model"], strict=True):
+        t.copy_(old)
+    for p, state in run.optimizer.state.items():
+        for k, v in state.items():
+            if torch.is_tensor(v):  # state created by warm-up restarts from zero (fresh Adam)
+                v.copy_(saved["optimizer"].get(p, {}).get(k, torch.zeros_like(v)))
+    if saved["scaler"]:
+        run.scaler.load_state_dict(saved["scaler"])  # fills the scale tensor in place
 
 
 def main(argv=None):
@@ -89,8 +118,7 @@ def main(argv=None):
         log.warning("CUDA graphs need a GPU: no CUDA device here, so this runs train_mp.py's "
                     "step eagerly (same results, no graph capture)")
         return train_mp.main(argv)
-    return train_mp.main(argv, step_fn=GraphedStep(warmup),
-                         optimizer_kwargs={"capturable": True})
+    return train_mp.main(argv, step=GraphedStep(warmup), capturable=True)
 
 
 def split_graph_args(argv):

@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from utils.data_loader import get_data_loader
+from utils.data.loader import get_loader
 from utils.YParams import YParams
 
 LOADERS = ("pytorch", "dali")
@@ -26,13 +26,9 @@ LOADERS = ("pytorch", "dali")
 def time_loader(params: Any, kind: str, workers: int, epochs: int) -> dict[str, float]:
     """Seconds to the first batch; median and best samples/s of epochs 2.. (epoch 1 includes
     the start-up). Best-of is the rate on a quiet machine; the median shows the noise."""
-    params.num_data_workers = workers
-    if kind == "dali":
-        from utils.data_loader_dali import get_data_loader_dali as get_loader
-    else:
-        get_loader = get_data_loader
+    params.num_data_workers, params.data_loader_config = workers, kind
     start = time.perf_counter()
-    loader, _, sampler = get_loader(params, params.train_data_path, False, train=True)
+    loader, _, sampler = get_loader(params, params.train_data_path, train=True)
     first_batch, rates = None, []
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)

@@ -128,16 +128,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import train_mp
+    from bench.common import find_data
     from utils import comm
-    from utils.cli import add_model_parallel_args, build_parser, load_params, set_batch_sizes
-    from utils.profiling import StepProfiler
-    from utils.training import (
-        build_optimizer,
-        grad_scaler,
-        init_process,
-        peak_memory_gb,
-        seed_everything,
-    )
+    from utils.run.setup import peak_memory_gb
+    from utils.training import build_training
+    from utils.YParams import DATA_PATH_KEYS
 
     torch.set_num_threads(args.threads)
     tp = args.tp[0]
@@ -147,45 +142,21 @@ def worker(args: argparse.Namespace) -> None:
         flags += ["--local_batch_size", str(args.local_batch_size)]
     if args.amp_mode is not None:
         flags += ["--amp_mode", args.amp_mode]
-    train_args = add_model_parallel_args(build_parser("bench")).parse_args(flags)
-    params = load_params(train_args)
-    _, device = init_process(params.tp, params.cp, params.parallel_order)
-    set_batch_sizes(params, comm.get_size("dp"))
-    seed_everything(params.seed)
+    os.environ["LOG_DIR"] = tempfile.mkdtemp(prefix="bench_mp_logs_")  # run logs nobody reads
+    params, device = train_mp.setup(flags, "bench")  # as train_mp.py sets a run up
+    data = find_data(params) if comm.get_world_rank() == 0 else None
+    params.update(comm.broadcast_from_rank0({k: params[k] for k in DATA_PATH_KEYS}))
     rss_init = rss_gb()
 
-    model = train_mp.build_model(params, train_args, device)
+    model = train_mp.build_model(params, device)
+    run = build_training(params, device, model)
     model.train()
-    optimizer = build_optimizer(params, model)
-    scaler = grad_scaler(params, device)
-    prof = StepProfiler(device, tempfile.gettempdir(), enabled=False)
     shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
     gen = torch.Generator().manual_seed(1234)  # the same batch on every rank
     inp = torch.randn(shape, generator=gen).to(device)
     tar = torch.randn(shape, generator=gen).to(device)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    timer = CommTimer(sync)
-    timer.install()
-    steps, cpu, comms, first_loss = [], [], [], None
-    for i in range(args.warmup + args.iters):
-        sync()
-        if dist.is_initialized():  # tp = 1 under torchrun is a world of one: no group
-            dist.barrier()
-        timer.seconds = 0.0
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = train_mp.train_step(model, optimizer, scaler, inp, tar, params, device, prof)
-        loss = loss.item()  # waits for the device
-        elapsed = time.perf_counter() - start
-        first_loss = loss if first_loss is None else first_loss
-        if i >= args.warmup:
-            steps.append(elapsed)
-            cpu.append(time.process_time() - start_cpu)
-            comms.append(timer.seconds)
-
+    steps, cpu, comms, first_loss = time_steps(run, inp, tar, args.warmup, args.iters)
     mine = {"params": sum(p.numel() for p in model.parameters()), "rss_init": rss_init,
             "peak": peak_memory_gb(device), "steps": steps, "cpu": cpu, "comms": comms,
             "loss": first_loss, "batch": int(params.local_batch_size),
@@ -196,8 +167,43 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(everyone, mine)
     if comm.get_world_rank() == 0:
         print(RESULT_TAG + json.dumps(summarise(tp, everyone)), flush=True)
-    del model, optimizer  # nothing may hold a group when comm.shutdown joins gloo's threads
+    run.close()
+    del model, run  # nothing may hold a group when comm.shutdown joins gloo's threads
     comm.shutdown()
+    if data is not None:
+        data.cleanup()
+
+
+def time_steps(run: Any, inp: Any, tar: Any, warmup: int, iters: int
+               ) -> tuple[list[float], list[float], list[float], float]:
+    """Wall and CPU seconds, and seconds inside collectives, of `iters` timed model-parallel
+    training steps (after `warmup` untimed ones); and the first step's loss."""
+    import torch
+    import torch.distributed as dist
+
+    import train_mp
+
+    def sync() -> None:
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+
+    timer = CommTimer(sync)
+    timer.install()
+    steps, cpu, comms, first_loss = [], [], [], None
+    for i in range(warmup + iters):
+        sync()
+        if dist.is_initialized():  # tp = 1 under torchrun is a world of one: no group
+            dist.barrier()
+        timer.seconds = 0.0
+        start, start_cpu = time.perf_counter(), time.process_time()
+        loss = train_mp.mp_train_step(run, inp, tar).item()  # .item() waits for the device
+        elapsed = time.perf_counter() - start
+        first_loss = loss if first_loss is None else first_loss
+        if i >= warmup:
+            steps.append(elapsed)
+            cpu.append(time.process_time() - start_cpu)
+            comms.append(timer.seconds)
+    return steps, cpu, comms, first_loss
 
 
 def summarise(tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -15,41 +15,35 @@ its median step. The ratios ((c)/(b), fraction of the ceiling) are formed within
 every number printed is a median over rounds.
 Model FLOP/s are analytic: `training_flops_per_sample` (matmul FLOPs of forward and backward)
 x samples/s, so they count useful model work, not what a kernel executes.
-Without a data set under the config's data_dir (or DATA_DIR) the loader reads a temporary
-random one of the same shape as `python -m utils.synthetic_data` writes.
+Every setting is built by `utils.training.build_training` and steps with its `train_step`,
+exactly as train.py runs them. Without a data set under the config's data_dir (or DATA_DIR)
+the loader reads a small temporary one made by `utils.data.synthetic`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 # The OpenMP setting train.py makes before torch loads (see there): time what it runs.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import h5py
-import numpy as np
 import torch
 
-from networks.vit import training_flops_per_sample
-from train import build_model, train_step
-from utils.cli import build_parser, load_params, set_batch_sizes
-from utils.data_loader import get_data_loader
-from utils.profiling import StepProfiler
-from utils.training import (
-    build_optimizer,
-    build_scheduler,
-    grad_scaler,
-    init_process,
-    seed_everything,
-)
+from bench.common import find_data, machine_label
+from networks.vit import training_flops_per_sample, vit_from_params
+from utils import comm
+from utils.cli import build_parser, load_params
+from utils.run.setup import seed_everything, set_batch_sizes
+from utils.training import build_training, train_step, wrap_model
+from utils.YParams import DATA_PATH_KEYS
 
 # The --table ladder: each row adds one tutorial optimisation to the row above it.
 LADDER: list[tuple[str, dict[str, Any]]] = [
@@ -93,71 +87,25 @@ class MatmulCeiling:
         return 2 * self.n**3 / best / 1e9
 
 
-def write_random_dataset(root: str | os.PathLike, img_size: tuple[int, int], channels: int = 20,
-                         years: int = 2, samples_per_year: int = 128) -> None:
-    """Random fields in the ERA5 layout that `utils.synthetic_data` writes:
-    train/<year>.h5 ("fields", float32, one chunk per sample) and stats/*.npy."""
-    root, (h, w) = Path(root), img_size
-    rng = np.random.default_rng(0)
-    (root / "train").mkdir(parents=True, exist_ok=True)
-    (root / "stats").mkdir(parents=True, exist_ok=True)
-    for year in range(2016, 2016 + years):
-        with h5py.File(root / "train" / f"{year}.h5", "w") as f:
-            ds = f.create_dataset("fields", (samples_per_year, channels, h, w), dtype="f4",
-                                  chunks=(1, channels, h, w))
-            for i in range(samples_per_year):
-                ds[i] = rng.standard_normal((channels, h, w), dtype=np.float32)
-    np.save(root / "stats" / "global_means.npy", np.zeros((1, channels, 1, 1), np.float32))
-    np.save(root / "stats" / "global_stds.npy", np.ones((1, channels, 1, 1), np.float32))
-    np.save(root / "stats" / "time_means.npy", np.zeros((1, channels, h, w), np.float32))
-
-
-def find_data(params: Any) -> tuple[dict[str, str], tempfile.TemporaryDirectory | None]:
-    """Data paths to use: the config's (after DATA_DIR) when the training data and stats
-    exist, else a temporary random data set (returned so the caller keeps it alive)."""
-    keys = ("train_data_path", "global_means_path", "global_stds_path", "time_means_path")
-    paths = {k: params[k] for k in keys}
-    if os.path.isdir(paths["train_data_path"]) and all(
-            os.path.isfile(paths[k]) for k in keys[1:3]):
-        return paths, None
-    tmp = tempfile.TemporaryDirectory(prefix="bench_step_")
-    print(f"no data at {paths['train_data_path']}: timing a temporary random data set "
-          "of the same shape", flush=True)
-    write_random_dataset(tmp.name, tuple(params.img_size), int(params.n_in_channels))
-    root = Path(tmp.name)
-    return {"train_data_path": str(root / "train"),
-            "global_means_path": str(root / "stats" / "global_means.npy"),
-            "global_stds_path": str(root / "stats" / "global_stds.npy"),
-            "time_means_path": str(root / "stats" / "time_means.npy")}, tmp
-
-
 class StepRunner:
-    """One setting, built as train.py builds it (model, optimizer, schedule, loss scaling,
-    loader), plus one random batch in memory for the bare step."""
+    """One setting, built as train.py builds it (`build_training`), plus one random batch
+    in memory for the bare step."""
 
-    def __init__(self, label: str, params: Any, args: argparse.Namespace,
-                 device: torch.device):
+    def __init__(self, label: str, params: Any, device: torch.device):
         self.label, self.params, self.device = label, params, device
         seed_everything(params.seed)
-        self.model = build_model(params, args, device)
+        model = wrap_model(vit_from_params(params).to(device), params, device)
+        self.run = build_training(params, device, model)
+        self.model, self.scheduler = self.run.model, self.run.scheduler
+        self.loader, self.sampler = self.run.train_loader, self.run.train_sampler
         self.model.train()
-        self.optimizer = build_optimizer(params, self.model)
-        self.scheduler = build_scheduler(params, self.optimizer)
-        self.scaler = grad_scaler(params, device)
-        self.prof = StepProfiler(device, tempfile.gettempdir(), enabled=False)
-        get_loader = get_data_loader
-        if params.data_loader_config == "dali":  # as train.py chooses
-            from utils.data_loader_dali import get_data_loader_dali as get_loader
-        self.loader, _, self.sampler = get_loader(params, params.train_data_path, False,
-                                                  train=True)
         self.epoch, self.batches = 0, iter(())
         shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
         self.inp = torch.randn(shape, device=device)
         self.tar = torch.randn(shape, device=device)
 
     def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        return train_step(self.model, self.optimizer, self.scaler, inp, tar, self.params,
-                          self.device, self.prof)
+        return train_step(self.run, inp, tar)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -281,24 +229,10 @@ def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repea
     return results
 
 
-def machine_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{name}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, torch {torch.__version__}")
-
-
 def case_params(args: argparse.Namespace, overrides: dict[str, Any],
-                data_paths: dict[str, str]) -> Any:
+                data_paths: dict[str, str], log_dir: str) -> Any:
     params = load_params(args)
-    params.update({**overrides, **data_paths})
+    params.update({**overrides, **data_paths, "expdir": log_dir})
     set_batch_sizes(params, 1)
     return params
 
@@ -348,9 +282,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
-    _, device = init_process()
+    _, device = comm.init_process()
     base = load_params(args)
-    data_paths, tmp = find_data(base)
+    tmp = find_data(base)
+    data_paths = {k: base[k] for k in DATA_PATH_KEYS}
+    log_dir = tempfile.mkdtemp(prefix="bench_step_logs_")  # run logs nobody reads
     flops = training_flops_per_sample(tuple(base.img_size), base.patch_size,
                                       base.n_in_channels, base.n_out_channels, base.embed_dim,
                                       base.depth)
@@ -358,10 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         cases, overrides = [], {}
         for label, change in LADDER:
             overrides = {**overrides, **change}
-            cases.append((label, case_params(args, overrides, data_paths)))
-        cases.append((BEST_CPU[0], case_params(args, BEST_CPU[1], data_paths)))
+            cases.append((label, case_params(args, overrides, data_paths, log_dir)))
+        cases.append((BEST_CPU[0], case_params(args, BEST_CPU[1], data_paths, log_dir)))
     else:
-        p = case_params(args, {}, data_paths)
+        p = case_params(args, {}, data_paths, log_dir)
         label = (f"amp {p.amp_mode}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, "
                  f"workers {p.num_data_workers}")
         cases = [(label, p)]
@@ -372,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     runners = []
     for label, params in cases:
         start = time.perf_counter()
-        runner = StepRunner(label, params, args, device)
+        runner = StepRunner(label, params, device)
         runner.bare(args.warmup)
         runner.full(args.warmup, untimed=runner.prefetched)
         runners.append(runner)
@@ -398,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         print_report(summaries[0], args.ceiling_size)
     if tmp is not None:
         tmp.cleanup()
+    shutil.rmtree(log_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ Parameter annotations (set with `annotate`, read by `sync_shared_gradients`):
     param.sharded_dims_mp  per tensor dim, the group it is split over, or None
     param.shard_blocks     the sharded dim is a concatenation of this many equal blocks, each
                            split separately (the fused qkv: [q | k | v])
-    param.is_shared_mp     groups over which the parameter is replicated (identical copies)
+    param.is_shared_mp     groups over which the parameter is replicated (identical copies):
+                           every model-parallel group (MP_GROUPS) that does not shard it
     param.partial_grad_mp  groups over which each rank's gradient is only a *partial sum*,
-                           because the ranks apply the parameter to different tokens (cp).
-                           Always a subset of is_shared_mp.
-Every model-parallel group must either shard or share every parameter: `check_annotations`
-enforces it and `sync_shared_gradients` refuses to run on a model that breaks it.
+                           because the ranks apply the parameter to different tokens (cp) or
+                           grid points (h, w). Always a subset of is_shared_mp.
+A model-parallel model must annotate every parameter: `check_annotations` enforces it once,
+when the model is built, and `sync_shared_gradients` plans its reductions from it.
 
 Why tp is not in partial_grad_mp of replicated parameters (norms, row-parallel biases): the
 Megatron conjugate pair copy_to/reduce_from all-reduces the activation gradient over tp where
@@ -33,7 +34,7 @@ import torch.nn as nn
 
 from utils import comm
 
-MP_GROUPS = ("tp", "cp")
+MP_GROUPS = ("tp", "cp", "h", "w")
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -117,12 +118,15 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- annotations
 
-def annotate(param: torch.Tensor, shared: Iterable[str] = (), partial_grad: Iterable[str] = (),
-             sharded_dims: Sequence[str | None] | None = None, blocks: int = 1) -> None:
-    """Record how `param` is laid out over the model-parallel groups (see module docstring)."""
-    param.is_shared_mp = list(shared)
-    param.partial_grad_mp = list(partial_grad)
+def annotate(param: torch.Tensor, sharded_dims: Sequence[str | None] | None = None,
+             partial_grad: Iterable[str] = (), blocks: int = 1) -> None:
+    """Record how `param` is laid out over the model-parallel groups (see module docstring):
+    `sharded_dims` names, per dim, the group that splits it (None: whole); every other
+    model-parallel group holds a replica; `partial_grad` lists the replica groups whose
+    ranks apply it to different tokens or grid points."""
     param.sharded_dims_mp = list(sharded_dims) if sharded_dims is not None else [None] * param.dim()
+    param.is_shared_mp = [g for g in MP_GROUPS if g not in param.sharded_dims_mp]
+    param.partial_grad_mp = list(partial_grad)
     param.shard_blocks = blocks
 
 
@@ -133,17 +137,12 @@ def annotation_errors(model: nn.Module) -> list[str]:
         if not all(hasattr(p, a) for a in ("is_shared_mp", "partial_grad_mp", "sharded_dims_mp")):
             errors.append(f"{name}: not annotated (use distributed.helpers.annotate)")
             continue
-        sharded = [g for g in p.sharded_dims_mp if g is not None]
-        shared, partial = set(p.is_shared_mp), set(p.partial_grad_mp)
         if len(p.sharded_dims_mp) != p.dim():
             errors.append(f"{name}: sharded_dims_mp has {len(p.sharded_dims_mp)} entries "
                           f"for a {p.dim()}-d tensor")
-        if sorted(sharded + list(shared)) != sorted(MP_GROUPS):
-            errors.append(f"{name}: each of {MP_GROUPS} must shard or share it exactly once "
-                          f"(sharded {sharded}, shared {sorted(shared)})")
-        if not partial <= shared:
-            errors.append(f"{name}: partial_grad_mp {sorted(partial)} is not within "
-                          f"is_shared_mp {sorted(shared)}")
+        if not set(p.partial_grad_mp) <= set(p.is_shared_mp):
+            errors.append(f"{name}: partial_grad_mp {sorted(p.partial_grad_mp)} is not within "
+                          f"is_shared_mp {sorted(p.is_shared_mp)}")
     return errors
 
 
@@ -159,42 +158,26 @@ def sync_shared_gradients(model: nn.Module) -> None:
     The one place where model-parallel gradient reductions happen. Call it after
     `loss.backward()` and before `optimizer.step()`. It commutes with DDP's average over dp
     (a sum over cp and a mean over dp are both linear), so it can run after DDP's backward.
-    A no-op on a model that is not model-parallel; an error if any parameter is unannotated.
+    A no-op on a model that is not model-parallel. Which parameters go to which group is
+    planned once per model (annotations are checked then, `check_annotations`).
     """
-    if comm.get_size("tp-cp") == 1:
+    if comm.get_size("mp") == 1:
         return
-    check_annotations(model)
-    buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        for group_name in p.partial_grad_mp:
-            if comm.get_size(group_name) > 1:
-                buckets.setdefault((group_name, p.grad.dtype), []).append(p.grad)
-    for (group_name, _), grads in buckets.items():
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)  # one message
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(reduced.view_as(g))
-
-
-@torch.no_grad()
-def sync_shared_params(model: nn.Module) -> None:
-    """Make replicated parameters bitwise identical: broadcast from each group's first rank.
-
-    Call once after building the model if ranks may have initialised replicas differently
-    (e.g. different seeds); DDP does the same over dp when it wraps the model.
-    """
-    if comm.get_size("tp-cp") == 1:
-        return
-    check_annotations(model)
-    for group_name in MP_GROUPS:
-        if comm.get_size(group_name) == 1:
-            continue
-        group = comm.get_group(group_name)
-        src = dist.get_global_rank(group, 0)
-        for p in model.parameters():
-            if group_name in p.is_shared_mp:
-                dist.broadcast(p.data, src=src, group=group)
+    plan = getattr(model, "_grad_sync_plan", None)
+    if plan is None:
+        check_annotations(model)
+        plan = [(group_name, [p for p in model.parameters() if group_name in p.partial_grad_mp])
+                for group_name in MP_GROUPS if comm.get_size(group_name) > 1]
+        model._grad_sync_plan = plan
+    for group_name, params in plan:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():  # one message per group and dtype
+            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(reduced.view_as(g))
 
 
 # ------------------------------------------------------------------- sharding and gathering

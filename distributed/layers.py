@@ -13,7 +13,6 @@ how it is laid out; `sync_shared_gradients(model)` uses that to finish its gradi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -26,72 +25,62 @@ from distributed.helpers import (
     shard_tensor,
 )
 from distributed.mappings import (
-    all_gather_from_parallel_region,
     copy_to_parallel_region,
     gather_from_parallel_region,
     reduce_from_parallel_region,
     scatter_to_parallel_region,
 )
 from utils import comm
+from utils.model_wrappers import unwrap
+from utils.precision import attention
 
 
-def _divide(n: int, d: int, what: str) -> int:
-    if n % d:
-        raise ValueError(f"{what} ({n}) must be divisible by tp ({d})")
-    return n // d
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (the output features) split over `group_name`.
 
-
-def _shard_generator(group_name: str, device: torch.device) -> torch.Generator:
-    """RNG for initialising a shard: different on each rank of `group_name`, the same on the
-    ranks that hold a copy of the same shard (it is seeded from the global RNG, which every
-    rank advances identically), so shards are not clones of each other."""
-    seed = int(torch.randint(0, 2**62, ()).item())
-    return torch.Generator(device=device).manual_seed(seed + comm.get_rank(group_name))
-
-
-class DistributedMatmul(nn.Module):
-    """y = x W^T + b with W split over `group_name` by rows ("column") or columns ("row").
-
-    column: W_local (out/tp, in). The input is replicated: copy_to_parallel_region makes the
-            backward all-reduce its gradient. The output stays split along the last dim.
-    row:    W_local (out, in/tp). The input is split along the last dim; the partial products
-            are summed with reduce_from_parallel_region, *then* the bias is added, once.
-    `blocks` > 1 splits each of that many equal output blocks separately (fused qkv).
-    `seq_group` is the group the tokens are split over: gradients are partial sums over it.
+    W_local is (out/tp, in). The input is replicated: copy_to_parallel_region makes the
+    backward all-reduce its gradient. The output stays split along the last dim, ready for a
+    RowParallelLinear. `blocks` > 1 splits each of that many equal output blocks separately
+    (the fused qkv: every rank gets its heads' q, k and v). `seq_group`: the group the
+    tokens are split over; gradients are partial sums over it.
+    Weights are allocated here, not initialised: the layer factory does that (same numbers
+    as the serial model, `networks.vit.init_weights`).
     """
 
-    def __init__(self, in_features: int, out_features: int, parallel: str, bias: bool = True,
-                 group_name: str = "tp", blocks: int = 1, seq_group: str = "cp"):
+    def __init__(self, in_features: int, out_features: int, group_name: str = "tp",
+                 blocks: int = 1, seq_group: str = "cp"):
         super().__init__()
-        if parallel not in ("column", "row"):
-            raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
-        self.parallel, self.group_name = parallel, group_name
-        world = comm.get_size(group_name)
-        shared = [g for g in ("tp", "cp") if g != group_name]
-        if parallel == "column":
-            out_local = blocks * _divide(out_features // blocks, world, "output features")
-            self.weight = nn.Parameter(torch.empty(out_local, in_features))
-            annotate(self.weight, shared, [seq_group], [group_name, None], blocks)
-        else:
-            self.weight = nn.Parameter(
-                torch.empty(out_features, _divide(in_features, world, "input features")))
-            annotate(self.weight, shared, [seq_group], [None, group_name])
-        if not bias:
-            self.register_parameter("bias", None)
-        elif parallel == "column":  # split like the output features
-            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
-            annotate(self.bias, shared, [seq_group], [group_name], blocks)
-        else:  # whole on every rank, added once after the reduction
-            self.bias = nn.Parameter(torch.zeros(out_features))
-            annotate(self.bias, ["tp", "cp"], [seq_group])
-        gen = _shard_generator(group_name, self.weight.device)
-        nn.init.trunc_normal_(self.weight, std=0.02, generator=gen)
+        self.group_name = group_name
+        out_local = blocks * (out_features // blocks // comm.get_size(group_name))
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_local))
+        annotate(self.weight, [group_name, None], [seq_group], blocks)
+        annotate(self.bias, [group_name], [seq_group], blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel == "column":
-            return F.linear(copy_to_parallel_region(x, self.group_name), self.weight, self.bias)
-        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group_name)
-        return y if self.bias is None else y + self.bias
+        return F.linear(copy_to_parallel_region(x, self.group_name), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (the input features) split over `group_name`.
+
+    W_local is (out, in/tp). The input arrives split along its last dim (a column-parallel
+    layer's output); the partial products are summed with reduce_from_parallel_region,
+    *then* the bias, whole on every rank, is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_name: str = "tp",
+                 seq_group: str = "cp"):
+        super().__init__()
+        self.group_name = group_name
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // comm.get_size(group_name)))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        annotate(self.weight, [None, group_name], [seq_group])
+        annotate(self.bias, None, [seq_group])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_parallel_region(F.linear(x, self.weight), self.group_name) + self.bias
 
 
 class DistributedMLP(nn.Module):
@@ -99,9 +88,9 @@ class DistributedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
         super().__init__()
-        self.fc1 = DistributedMatmul(dim, hidden_dim, "column")
+        self.fc1 = ColumnParallelLinear(dim, hidden_dim)
         self.act = nn.GELU()
-        self.fc2 = DistributedMatmul(hidden_dim, dim, "row")
+        self.fc2 = RowParallelLinear(hidden_dim, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,16 +120,16 @@ class DistributedAttention(nn.Module):
     The local fused qkv holds [q | k | v] for this rank's heads. Each cp rank attends with
     its own queries to the keys and values of all tokens: k and v are all-gathered over cp
     (one collective for both; its backward reduce-scatters their gradients). No mask is
-    needed (the ViT attends to every token), so plain SDPA runs locally.
+    needed (the ViT attends to every token), so plain attention runs locally.
     """
 
     def __init__(self, dim: int, num_heads: int, dropout: float = 0.0,
                  tokens: TokenSplit | None = None):
         super().__init__()
-        self.num_heads = _divide(num_heads, comm.get_size("tp"), "number of heads")
+        self.num_heads = num_heads // comm.get_size("tp")  # checked at start-up: divides
         self.head_dim = dim // num_heads
-        self.qkv = DistributedMatmul(dim, 3 * dim, "column", blocks=3)
-        self.proj = DistributedMatmul(dim, dim, "row")
+        self.qkv = ColumnParallelLinear(dim, 3 * dim, blocks=3)
+        self.proj = RowParallelLinear(dim, dim)
         self.dropout = dropout
         self.tokens = tokens
 
@@ -148,11 +137,13 @@ class DistributedAttention(nn.Module):
         B, N, _ = x.shape  # N: local tokens
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
         sizes = self.tokens.sizes if self.tokens is not None else None
-        kv = all_gather_from_parallel_region(qkv[:, :, 1:], 1, "cp", sizes)  # (B, N_all, ...)
+        # (B, N_all, 2, heads, head_dim); every rank uses all of it differently: its gradient
+        # is summed over cp and split back (reduce-scatter).
+        kv = gather_from_parallel_region(qkv[:, :, 1:], 1, "cp", sizes, backward="reduce_scatter")
         q = qkv[:, :, 0].transpose(1, 2)  # (B, heads, N, head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N_all, head_dim)
         dropout_p = self.dropout if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        x = attention(q, k, v, dropout_p=dropout_p)  # the serial model's precision policy
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
 
@@ -164,11 +155,12 @@ class DistributedLayerNorm(nn.LayerNorm):
     def __init__(self, dim: int, seq_group: str = "cp"):
         super().__init__(dim)
         for p in (self.weight, self.bias):
-            annotate(p, ["tp", "cp"], [seq_group])
+            annotate(p, None, [seq_group])
 
 
 class DistributedLayers:
-    """Drop-in for `networks.vit.SerialLayers`: tp/cp layers and the cp token split."""
+    """Drop-in for `networks.vit.SerialLayers`: tp/cp layers, the cp token split, and the
+    sharded initialisation (draw the serial tensor, keep this rank's part)."""
 
     def __init__(self) -> None:
         self.tokens = TokenSplit()
@@ -193,19 +185,25 @@ class DistributedLayers:
         (patch embedding, pos_embed, head): their gradients are complete everywhere."""
         for part in parts:
             for p in part.parameters() if isinstance(part, nn.Module) else [part]:
-                annotate(p, ["tp", "cp"])
+                annotate(p)
+
+    def full_shape(self, param: torch.Tensor) -> list[int]:
+        shape = list(param.shape)
+        for dim, group in enumerate(getattr(param, "sharded_dims_mp", [])):
+            if group is not None:
+                shape[dim] *= comm.get_size(group)
+        return shape
+
+    def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(full, param)
 
 
 # ------------------------------------------------------------- serial <-> distributed weights
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DistributedDataParallel
-
-
 def shard_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]
                      ) -> dict[str, torch.Tensor]:
     """This rank's state dict for `model`, cut from a serial (single-device) state dict."""
-    model = _unwrap(model)
+    model = unwrap(model)
     params = dict(model.named_parameters())
     out = {}
     for name, value in model.state_dict().items():
@@ -218,7 +216,7 @@ def shard_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]
 
 def load_serial_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]) -> None:
     """Copy a serial model's weights into the (tensor/context-parallel) `model`."""
-    _unwrap(model).load_state_dict(shard_state_dict(model, serial_sd))
+    unwrap(model).load_state_dict(shard_state_dict(model, serial_sd))
 
 
 @torch.no_grad()
@@ -227,7 +225,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Layout-free checkpoints: load it into any layout with `load_serial_state_dict`.
     """
-    model = _unwrap(model)
+    model = unwrap(model)
     params = dict(model.named_parameters())
     return {name: gather_tensor(value, params[name]) if name in params else value
             for name, value in model.state_dict().items()}
@@ -236,11 +234,5 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Serial-layout gradients of a distributed model (tests and debugging)."""
-    return {name: gather_tensor(p.grad, p) for name, p in _unwrap(model).named_parameters()
+    return {name: gather_tensor(p.grad, p) for name, p in unwrap(model).named_parameters()
             if p.grad is not None}
-
-
-def describe(model: Any) -> str:
-    """One line: parameters held by this rank (shards count once)."""
-    n = sum(p.numel() for p in _unwrap(model).parameters())
-    return f"{n:,} parameters on this rank (tp={comm.get_size('tp')}, cp={comm.get_size('cp')})"

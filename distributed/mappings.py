@@ -2,18 +2,19 @@
 
 The pairs are conjugate: the backward of a forward collective is its adjoint.
 
-    function                            forward               backward
-    copy_to_parallel_region             identity              all-reduce (sum)
-    reduce_from_parallel_region         all-reduce (sum)      identity
-    scatter_to_parallel_region          keep my chunk         all-gather
-    gather_from_parallel_region         all-gather            keep my chunk
-    all_gather_from_parallel_region     all-gather            reduce-scatter (sum)
-    reduce_scatter_to_parallel_region   reduce-scatter (sum)  all-gather
+    function                                        forward            backward
+    copy_to_parallel_region                         identity           all-reduce (sum)
+    reduce_from_parallel_region                     all-reduce (sum)   identity
+    scatter_to_parallel_region                      keep my chunk      all-gather
+    gather_from_parallel_region(backward="split")   all-gather         keep my chunk
+    gather_from_parallel_region(backward="reduce_scatter")
+                                                    all-gather         reduce-scatter (sum)
 
-gather_from_... vs all_gather_from_...: after gather_from the ranks compute the *same* thing
-with the gathered tensor (e.g. the head on all tokens), so each already holds the full
-gradient and keeps its chunk. After all_gather_from they compute *different* things with it
-(cp attention: my queries against everyone's keys), so the gradients are summed.
+Which backward a gather needs depends on what the ranks do with the gathered tensor. If they
+compute the *same* thing with it (e.g. the head on all tokens), each already holds the full
+gradient and keeps its chunk ("split"). If they compute *different* things with it (cp
+attention: my queries against everyone's keys), the gradients are summed over the ranks and
+each keeps its chunk of the sum ("reduce_scatter").
 
 Chunks along `dim` follow `helpers.compute_split_shapes` (uneven allowed, first ones bigger);
 gathers take the per-rank lengths `sizes` when known (exchanged otherwise). Every function is
@@ -88,25 +89,12 @@ class _GatherFromParallelRegion(torch.autograd.Function):
         return _my_chunk(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None, None
 
 
-class _AllGatherFromParallelRegion(_GatherFromParallelRegion):
-    """The gather's forward; the backward sums the gradients of every rank's copy (the
-    gathered tensor is used by all ranks, e.g. k and v in context-parallel attention)."""
+class _GatherFromParallelRegionReduceScatter(_GatherFromParallelRegion):
+    """The gather's forward; the backward sums the gradients of every rank's copy."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return reduce_scatter_along_dim(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None, None
-
-
-class _ReduceScatterToParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-        ctx.dim, ctx.group_name = dim, group_name
-        ctx.sizes = compute_split_shapes(x.shape[dim], comm.get_size(group_name))
-        return reduce_scatter_along_dim(x, dim, group_name, ctx.sizes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return all_gather_along_dim(grad, ctx.dim, ctx.group_name, ctx.sizes), None, None
 
 
 def copy_to_parallel_region(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -131,24 +119,18 @@ def scatter_to_parallel_region(x: torch.Tensor, dim: int, group_name: str) -> to
 
 
 def gather_from_parallel_region(x: torch.Tensor, dim: int, group_name: str,
-                                sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """All-gather chunks into a replicated tensor / keep this rank's chunk of the grad."""
+                                sizes: Sequence[int] | None = None,
+                                backward: str = "split") -> torch.Tensor:
+    """All-gather chunks along `dim` into a replicated tensor. Backward: "split" keeps this
+    rank's chunk of the gradient (the ranks use the result identically), "reduce_scatter"
+    sums the ranks' gradients first (they use it differently). `sizes`: every rank's
+    length along `dim`, exchanged when not given."""
+    if backward not in _GATHERS:
+        raise ValueError(f"backward must be 'split' or 'reduce_scatter', got {backward!r}")
     if comm.get_size(group_name) == 1:
         return x
-    return _GatherFromParallelRegion.apply(x, dim % x.dim(), group_name, sizes)
+    return _GATHERS[backward].apply(x, dim % x.dim(), group_name, sizes)
 
 
-def all_gather_from_parallel_region(x: torch.Tensor, dim: int, group_name: str,
-                                    sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """All-gather chunks that every rank uses differently / reduce-scatter (sum) of the grad."""
-    if comm.get_size(group_name) == 1:
-        return x
-    return _AllGatherFromParallelRegion.apply(x, dim % x.dim(), group_name, sizes)
-
-
-def reduce_scatter_to_parallel_region(x: torch.Tensor, dim: int,
-                                      group_name: str) -> torch.Tensor:
-    """Sum partial results and keep this rank's chunk / all-gather of the grad."""
-    if comm.get_size(group_name) == 1:
-        return x
-    return _ReduceScatterToParallelRegion.apply(x, dim % x.dim(), group_name)
+_GATHERS = {"split": _GatherFromParallelRegion,
+            "reduce_scatter": _GatherFromParallelRegionReduceScatter}

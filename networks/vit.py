@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from utils.precision import attention
 
 
 class PatchEmbed(nn.Module):
@@ -30,23 +31,6 @@ class PatchEmbed(nn.Module):
         # transposed through every residual add and make each LayerNorm (forward and
         # backward) copy its input, ~3% of a CPU step.
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              dropout_p: float = 0.0) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` with the tutorial's device-dependent precision policy.
-
-    On CPU under autocast, attention runs in fp32 while the linear layers around it stay
-    bf16: the CPU flash-attention kernel (forward + backward) is ~3x slower in bf16 than in
-    fp32 at this model's head size, whereas bf16 matmuls are 2-4x faster. With this mix a
-    bf16 step of the cpu_short model ran 1.5x faster than with bf16 attention. On CUDA,
-    reduced-precision SDPA is kept (flash attention is fast there).
-    """
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                  dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
 
 
 class Attention(nn.Module):
@@ -83,7 +67,8 @@ class MLP(nn.Module):
 
 
 class SerialLayers:
-    """Layer factory for one device; `distributed.layers` provides the parallel one."""
+    """Layer factory for one device. `distributed.layers.DistributedLayers` is the parallel
+    one: train_mp.py passes it to the model, which is otherwise the same code."""
 
     def attention(self, dim: int, num_heads: int, dropout: float) -> nn.Module:
         return Attention(dim, num_heads, dropout)
@@ -103,6 +88,13 @@ class SerialLayers:
 
     def replicated(self, *parts: Any) -> None:
         """Marks parameters every rank holds whole and applies to all tokens (no-op here)."""
+
+    # Initialisation draws every parameter's full serial tensor and keeps this rank's part.
+    def full_shape(self, param: torch.Tensor) -> list[int]:
+        return list(param.shape)
+
+    def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return full
 
 
 class Block(nn.Module):
@@ -149,7 +141,7 @@ class VisionTransformer(nn.Module):
         )
         self.norm = layers.norm(embed_dim)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
-        init_weights(self, seed)
+        init_weights(self, seed, layers)
         layers.replicated(self.patch_embed, self.pos_embed, self.head)  # outside the token split
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,25 +162,20 @@ class VisionTransformer(nn.Module):
         return self.unpatchify(self.head(self.forward_tokens(x)))
 
 
-def init_weights(model: nn.Module, seed: int = 0) -> None:
+def init_weights(model: nn.Module, seed: int = 0, layers: Any = None) -> None:
     """Initialise every parameter from its own generator, seeded by (seed, name).
 
     The numbers then do not depend on the parallel layout: a sharded parameter draws its
     full serial tensor (one parameter at a time, so memory stays small) and keeps its
-    shard, so train_mp.py with any tp/cp starts from exactly the weights train.py uses.
+    part (`layers.full_shape` / `layers.local_part`), so train_mp.py with any tp/cp starts
+    from exactly the weights train.py uses.
     Weights ~ N(0, 0.02) truncated at 2 std, biases 0, LayerNorm scales 1.
     """
-    from distributed.helpers import shard_tensor
-
+    layers = layers or SerialLayers()
     for module_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{pname}" if module_name else pname
-            shape = list(p.shape)
-            for dim, group in enumerate(getattr(p, "sharded_dims_mp", [])):
-                if group is not None:
-                    from utils import comm
-
-                    shape[dim] *= comm.get_size(group)
+            shape = layers.full_shape(p)
             if isinstance(module, nn.LayerNorm):
                 full = torch.ones(shape) if pname == "weight" else torch.zeros(shape)
             elif pname == "bias":
@@ -196,10 +183,8 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
             else:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = _truncated_normal(shape, std=0.02, generator=gen)
-            if hasattr(p, "sharded_dims_mp"):
-                full = shard_tensor(full, p)
             with torch.no_grad():
-                p.copy_(full)
+                p.copy_(layers.local_part(full, p))
 
 
 def _truncated_normal(shape: list[int], std: float, generator: torch.Generator) -> torch.Tensor:
@@ -240,14 +225,8 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
 
 
 def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
-    """Build the model from a config (`YParams`); tensor/context-parallel when `utils.comm`
-    was initialised with tp * cp > 1."""
-    from utils import comm
-
-    if layers is None and comm.get_size("tp-cp") > 1:
-        from distributed.layers import DistributedLayers
-
-        layers = DistributedLayers()
+    """Build the model from a config (`YParams`). `layers`: the layer factory, serial by
+    default; train_mp.py passes `distributed.layers.DistributedLayers()`."""
     return VisionTransformer(
         img_size=tuple(params.img_size),
         patch_size=params.patch_size,
@@ -260,5 +239,3 @@ def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
         layers=layers,
         seed=int(getattr(params, "seed", 0) or 0),
     )
-
-

@@ -10,7 +10,7 @@
 # Profiling: ENABLE_PROFILING=1 [PROFILE_OUTPUT=name] runs every task under
 #   nsys profile -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi --capture-range-end=stop
 # when nsys exists where the task runs (<name>_rank<RANK> with several tasks), and exports
-# PROFILE_WITH_NSYS=1 so that the training script (utils/profiling.py) opens and closes the
+# PROFILE_WITH_NSYS=1 so that the training script (utils/run/profiling.py) opens and closes the
 # capture range with torch.cuda.profiler.start()/stop() around its profiled epoch. Without
 # nsys the run is not wrapped; the task gets TORCH_PROFILER_OUTPUT=$LOG_DIR instead, the
 # directory where the training script writes its torch.profiler traces (<name>_rank<RANK>.*).

@@ -341,29 +341,27 @@ class SlurmCluster:
         except (OSError, subprocess.SubprocessError) as e:
             self.log(f"slurm_cluster: cancelling the jobs failed ({e}); stopping anyway")
         finally:
-            pids = []
-            for path in self._pid_files():
-                pid = self._read_pid(path)
-                # Only a live process started from this cluster's directory (no PID reuse).
-                if pid and _pid_alive(pid) and self.dir in _pid_cmdline(pid):
-                    pids.append(pid)
-                    try:
-                        os.kill(pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + 10
-            while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            for pid in pids:
-                if _pid_alive(pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            self._stop_daemons()
             if self.dir and not self.keep_dir:
                 shutil.rmtree(self.dir, ignore_errors=True)
             elif self.dir:
                 self.log(f"slurm_cluster: kept {self.dir}")
+
+    def _stop_daemons(self) -> None:
+        """SIGTERM each daemon of this cluster (by its pid file), SIGKILL after ~10 s."""
+        pids = []
+        for path in self._pid_files():
+            pid = self._read_pid(path)
+            # Only a live process started from this cluster's directory (no PID reuse).
+            if pid and _pid_alive(pid) and self.dir in _pid_cmdline(pid):
+                pids.append(pid)
+                _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in pids:
+            if _pid_alive(pid):
+                _signal(pid, signal.SIGKILL)
 
     def _cancel_all(self, timeout: float) -> None:
         r = self.run(["squeue", "-h", "-o", "%i"], check=False)
@@ -516,3 +514,10 @@ if __name__ == "__main__":  # smoke test: python tests/slurm_cluster.py [nodes]
                                             f"--output={tmp}/%j.out"])
         print(c.wait(job, timeout=60), f"{time.monotonic() - t0:.1f} s")
         print(c.output(job))
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended meanwhile
+        pass

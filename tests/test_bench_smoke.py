@@ -1,5 +1,6 @@
 """bench.bench_step runs end to end (no timing assertions), and the CPU precision policy
-of networks.vit.attention: under CPU bf16 autocast attention runs in fp32, linears in bf16."""
+of utils.precision.attention (serial and distributed models alike): under CPU bf16
+autocast attention runs in fp32, linears in bf16."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import REPO, TINY_IMG_SIZE, child_env
 
-from bench.bench_step import write_random_dataset
 from networks.vit import VisionTransformer
+from utils.data.synthetic import generate
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves
@@ -23,7 +24,8 @@ BF16_REL_TOL = 2e-2
 
 
 def test_bench_step_smoke(tmp_path: Path) -> None:
-    write_random_dataset(tmp_path, TINY_IMG_SIZE, years=1, samples_per_year=24)
+    generate(tmp_path, img_size=TINY_IMG_SIZE, samples_per_year=24, train_years=1,
+             valid_years=1, test_years=1)
     cmd = [sys.executable, "-m", "bench.bench_step", "--config", "tiny", "--iters", "3",
            "--repeats", "2", "--ceiling_size", "1024"]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env({"DATA_DIR": str(tmp_path)}),

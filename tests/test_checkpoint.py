@@ -23,14 +23,17 @@ import torch
 from conftest import REPO, child_env
 
 from networks.vit import vit_from_params
-from utils.checkpoint import (
+from utils.precision import grad_scaler
+from utils.run.checkpoint import (
     Checkpointer,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     resolve_resume,
 )
-from utils.training import NonFiniteLoss, build_optimizer, build_scheduler, grad_scaler
+from utils.run.guard import NonFiniteLoss
+from utils.run.progress import Progress
+from utils.training import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")
 
@@ -77,7 +80,7 @@ def one_line(error: BaseException) -> str:
 def test_a_checkpoint_restores_everything_a_run_needs(params, tmp_path):
     a = Run(params, tmp_path / "a")
     loss_sum = a.steps(3)
-    path = a.ckpt.save(3, epoch=1, epoch_step=3, loss_sum=loss_sum, step_count=3)
+    path = a.ckpt.save(Progress(3, epoch=1, epoch_step=3, loss_sum=loss_sum, step_count=3))
     assert path == str(tmp_path / "a" / "checkpoints" / "ckpt_00000003.pt")
     # What the next draws would be: the restored run must make the same ones.
     expected = (torch.rand(4), np.random.rand(3), random.random())
@@ -85,9 +88,8 @@ def test_a_checkpoint_restores_everything_a_run_needs(params, tmp_path):
 
     b = Run(params, tmp_path / "b", seed=1)  # different initial weights
     state = b.ckpt.restore(path)
-    assert {k: state[k] for k in ("iters", "epoch", "epoch_step", "step_count")} == \
-        {"iters": 3, "epoch": 1, "epoch_step": 3, "step_count": 3}
-    assert torch.equal(state["loss_sum"], loss_sum)
+    assert (state.iters, state.epoch, state.epoch_step, state.step_count) == (3, 1, 3, 3)
+    assert torch.equal(state.loss_sum, loss_sum)
     assert torch.equal(torch.rand(4), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
@@ -113,7 +115,7 @@ def test_a_tensor_learning_rate_is_filled_in_place(params, tmp_path):
     restore must write the saved lr into that tensor, not replace the tensor."""
     a = Run(params, tmp_path / "a")
     a.steps(3)
-    path = a.ckpt.save(3, 1, 3)
+    path = a.ckpt.save(Progress(3, 1, 3))
     model = vit_from_params(params)
     optimizer = build_optimizer(params, model, capturable=True)
     lr = optimizer.param_groups[0]["lr"]
@@ -127,7 +129,7 @@ def test_a_tensor_learning_rate_is_filled_in_place(params, tmp_path):
 
 def test_checkpoint_files_load_without_running_code(params, tmp_path):
     """weights_only=True: tensors and plain containers only (no pickled objects)."""
-    path = Run(params, tmp_path).ckpt.save(1, 1, 1)
+    path = Run(params, tmp_path).ckpt.save(Progress(1, 1, 1))
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["format"] == "era5-vit-checkpoint" and ckpt["config"]["embed_dim"] == 32
     assert ckpt["params"]["config"] == "tiny"
@@ -137,7 +139,7 @@ def test_only_the_last_k_are_kept(params, tmp_path):
     params.checkpoint_keep = 2
     run = Run(params, tmp_path)
     for it in range(1, 6):
-        run.ckpt.save(it, 1, it)
+        run.ckpt.save(Progress(it, 1, it))
     assert [Path(p).name for p in list_checkpoints(str(tmp_path))] == \
         ["ckpt_00000004.pt", "ckpt_00000005.pt"]
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt_00000005.pt")
@@ -149,7 +151,7 @@ def test_a_new_start_sets_aside_later_checkpoints_of_an_earlier_run(params, tmp_
     files in their favour and `--resume` cannot pick them up later."""
     run = Run(params, tmp_path)
     for it in (4, 8, 12):
-        run.ckpt.save(it, 1, it)
+        run.ckpt.save(Progress(it, 1, it))
     run.ckpt.start_at(4)
     assert [Path(p).name for p in list_checkpoints(str(tmp_path))] == ["ckpt_00000004.pt"]
     (aside,) = (tmp_path / "checkpoints").glob("superseded-*")
@@ -163,7 +165,7 @@ def test_a_new_start_sets_aside_later_checkpoints_of_an_earlier_run(params, tmp_
 KILLED_SAVER = """
 import pathlib, sys, time
 import torch
-from utils.checkpoint import save_atomic
+from utils.run.checkpoint import save_atomic
 
 class Stall:  # pickled half-way through the save: the parent kills us here
     def __reduce__(self):
@@ -177,7 +179,7 @@ save_atomic({"weights": torch.ones(1 << 16), "stall": Stall()}, sys.argv[1])
 
 def test_killing_a_save_midway_damages_no_checkpoint(params, tmp_path):
     run = Run(params, tmp_path)
-    old = run.ckpt.save(4, 1, 4)
+    old = run.ckpt.save(Progress(4, 1, 4))
     before = Path(old).read_bytes()
     ckdir = Path(old).parent
     for target in (old, str(ckdir / "ckpt_00000008.pt")):  # overwrite, and a new file
@@ -200,14 +202,14 @@ def test_killing_a_save_midway_damages_no_checkpoint(params, tmp_path):
         assert list_checkpoints(str(tmp_path)) == [old]  # the partial file is never listed
         assert latest_checkpoint(str(tmp_path)) == old
         Run(params, tmp_path / "fresh").ckpt.restore(old)  # and it still loads
-    run.ckpt.save(5, 1, 5)  # the next save clears what the killed ones left
+    run.ckpt.save(Progress(5, 1, 5))  # the next save clears what the killed ones left
     assert not list(ckdir.glob("*.tmp*"))
 
 
 def test_a_failed_write_is_one_error_and_keeps_the_previous_file(params, tmp_path,
                                                                  monkeypatch):
     run = Run(params, tmp_path)
-    old = run.ckpt.save(4, 1, 4)
+    old = run.ckpt.save(Progress(4, 1, 4))
     before = Path(old).read_bytes()
 
     def disk_full(obj, f, *args, **kwargs):
@@ -216,7 +218,7 @@ def test_a_failed_write_is_one_error_and_keeps_the_previous_file(params, tmp_pat
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(CheckpointError) as e:
-        run.ckpt.save(8, 1, 8)
+        run.ckpt.save(Progress(8, 1, 8))
     assert "ckpt_00000008.pt" in one_line(e.value) and "No space left" in str(e.value)
     assert Path(old).read_bytes() == before
     assert list_checkpoints(str(tmp_path)) == [old]
@@ -228,17 +230,17 @@ def test_an_unwritable_checkpoint_directory_is_one_error(params, tmp_path):
     blocker.write_text("not a directory")
     run = Run(params, blocker / "run")
     with pytest.raises(CheckpointError) as e:
-        run.ckpt.save(1, 1, 1)
+        run.ckpt.save(Progress(1, 1, 1))
     assert str(blocker) in one_line(e.value)
 
 
 def test_nan_parameters_are_never_saved(params, tmp_path):
     run = Run(params, tmp_path)
-    good = run.ckpt.save(2, 1, 2)
+    good = run.ckpt.save(Progress(2, 1, 2))
     with torch.no_grad():
         next(run.model.parameters())[0] = float("nan")
     with pytest.raises(FloatingPointError) as e:
-        run.ckpt.save(3, 1, 3)
+        run.ckpt.save(Progress(3, 1, 3))
     message = one_line(e.value)
     assert "iteration 3" in message and good in message  # names the checkpoint that is kept
     assert list_checkpoints(str(tmp_path)) == [good]
@@ -249,7 +251,7 @@ def test_nan_parameters_are_never_saved(params, tmp_path):
 def _saved(params, tmp_path) -> str:
     run = Run(params, tmp_path / "src")
     run.steps(1)
-    return run.ckpt.save(1, 1, 1)
+    return run.ckpt.save(Progress(1, 1, 1))
 
 
 def _edit(path: str, out: Path, change) -> None:
@@ -346,8 +348,8 @@ def test_resume_resolution(params, tmp_path, monkeypatch, caplog):
     assert "no checkpoint" in caplog.text and "starting from scratch" in caplog.text
     assert resolve_resume(None, exp) is None
     run = Run(params, tmp_path / "run")
-    run.ckpt.save(4, 1, 4)
-    newest = run.ckpt.save(8, 1, 8)
+    run.ckpt.save(Progress(4, 1, 4))
+    newest = run.ckpt.save(Progress(8, 1, 8))
     assert resolve_resume("auto", exp) == newest
     assert resolve_resume("/some/file.pt", exp) == "/some/file.pt"
     # --requeue: a run that SLURM restarted resumes by itself; a first run does not.

@@ -15,8 +15,10 @@ from networks.vit import (
     training_flops_per_sample,
     vit_from_params,
 )
-from utils.cli import build_parser, load_params, set_batch_sizes
-from utils.YParams import DATA_PATH_KEYS, ConfigError, YParams, load_yaml
+from utils.cli import build_parser, load_params
+from utils.errors import ConfigError
+from utils.run.setup import set_batch_sizes
+from utils.YParams import DATA_PATH_KEYS, YParams, load_yaml
 
 NO_ENV: dict[str, str] = {}
 
@@ -262,9 +264,8 @@ def test_set_batch_sizes_local_batch_size_redefines_the_global_batch():
     p.local_batch_size = 2
     set_batch_sizes(p, 4)
     assert (p.global_batch_size, p.local_batch_size) == (8, 2)
-    p.local_batch_size = 0
-    with pytest.raises(ConfigError) as e:
-        set_batch_sizes(p, 1)
+    with pytest.raises(ConfigError) as e:  # checked with every other value, at start-up
+        cli(["--config", "cpu_base", "--local_batch_size", "0"])
     assert "local_batch_size" in one_line(e)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
-from utils.data_loader import DataError, ERA5Dataset, get_data_loader
+from utils.data.loader import ERA5Dataset, get_data_loader
+from utils.errors import DataError
 
 N = TINY_SAMPLES_PER_YEAR
 C = 20
@@ -133,9 +134,9 @@ def test_two_workers_yield_the_same_batches_as_zero(tiny_params):
     p = tiny_params
     p.limit_nsamples, p.local_batch_size = 16, 4
     p.num_data_workers = 0
-    serial = batches(p, epoch=3, distributed=False)
+    serial = batches(p, epoch=3)
     p.num_data_workers = 2
-    parallel = batches(p, epoch=3, distributed=False)
+    parallel = batches(p, epoch=3)
     assert len(serial) == len(parallel) == 4
     for (a_in, a_tar), (b_in, b_tar) in zip(serial, parallel, strict=True):
         assert a_in.shape == (4, C, *TINY_IMG_SIZE)
@@ -145,8 +146,8 @@ def test_two_workers_yield_the_same_batches_as_zero(tiny_params):
 def test_sample_order_depends_only_on_seed_and_epoch(tiny_params):
     p = tiny_params
     p.limit_nsamples, p.local_batch_size = 16, 4
-    a, b, c = batches(p, 1, distributed=False), batches(p, 1, distributed=False), \
-        batches(p, 2, distributed=False)
+    a, b, c = batches(p, 1), batches(p, 1), \
+        batches(p, 2)
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
     assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
 
@@ -155,7 +156,7 @@ def test_set_epoch_can_skip_the_batches_already_done(tiny_params):
     """Resuming mid-epoch: the rest of the epoch is exactly the uninterrupted run's tail."""
     p = tiny_params
     p.limit_nsamples, p.local_batch_size = 16, 4
-    loader, _, sampler = get_data_loader(p, p.train_data_path, distributed=False, train=True)
+    loader, _, sampler = get_data_loader(p, p.train_data_path, train=True)
     sampler.set_epoch(2)
     full = list(sampler)
     sampler.set_epoch(2, skip_batches=3)
@@ -171,7 +172,7 @@ def test_distributed_shards_for_two_replicas_are_disjoint_and_cover_the_epoch(ti
     p.limit_nsamples, p.local_batch_size = 16, 4
     shards = []
     for rank in (0, 1):
-        loader, ds, sampler = get_data_loader(p, p.train_data_path, distributed=True,
+        loader, ds, sampler = get_data_loader(p, p.train_data_path,
                                               train=True, num_replicas=2, rank=rank)
         sampler.set_epoch(5)
         indices = list(sampler)
@@ -188,17 +189,9 @@ def test_distributed_shards_for_two_replicas_are_disjoint_and_cover_the_epoch(ti
 def test_validation_is_not_shuffled_and_keeps_the_last_partial_batch(tiny_params):
     p = tiny_params
     p.limit_nsamples_val, p.local_batch_size = 6, 4
-    loader, ds, sampler = get_data_loader(p, p.valid_data_path, distributed=False, train=False)
+    loader, ds, sampler = get_data_loader(p, p.valid_data_path, train=False)
     assert list(sampler) == list(range(6))
     assert [inp.shape[0] for inp, _ in loader] == [4, 2]
-
-
-def test_not_distributed_ignores_the_replica_arguments(tiny_params):
-    p = tiny_params
-    p.limit_nsamples = 8
-    _, _, sampler = get_data_loader(p, p.train_data_path, distributed=False, train=True,
-                                    num_replicas=2, rank=1)
-    assert sorted(sampler) == list(range(8))
 
 
 # ----------------------------------------------------------------- errors
@@ -311,7 +304,7 @@ def test_validation_shards_count_every_sample_exactly_once(tiny_params):
     seen = []
     for rank in range(2):
         _, dataset, sampler = get_data_loader(tiny_params, tiny_params.valid_data_path,
-                                              distributed=True, train=False,
+                                              train=False,
                                               num_replicas=2, rank=rank)
         seen.append(list(sampler))
         assert len(sampler) == len(seen[-1])

@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import REPO, child_env
 
-from utils.data_loader import get_data_loader
-from utils.data_loader_dali import DALIUnavailableError, get_data_loader_dali
-from utils.errors import EXIT_USER_ERROR, run_main
+from utils.data.dali import DALIUnavailableError, get_data_loader_dali
+from utils.data.loader import get_data_loader
+from utils.errors import EXIT_USER_ERROR
+from utils.run.main import run_main
 
 ATOL = 1e-6
 
@@ -36,7 +37,7 @@ def one_torch_thread():
 def dali(params, train=True, workers=0, num_replicas=1, rank=0):
     params.num_data_workers = workers
     path = params.train_data_path if train else params.valid_data_path
-    return get_data_loader_dali(params, path, num_replicas > 1, train, num_replicas, rank)
+    return get_data_loader_dali(params, path, train, num_replicas, rank)
 
 
 def sample_ids(batches, dataset) -> list[int]:
@@ -65,7 +66,7 @@ def reference_shard(n: int, seed: int, epoch: int, num_replicas: int, rank: int)
 def test_same_batches_as_pytorch_loader(tiny_params, workers):
     tiny_params.num_data_workers = 0
     ref_loader, _, ref_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
-                                                 False, train=True)
+                                                 train=True)
     loader, _, sampler = dali(tiny_params, workers=workers)
     assert len(loader) == len(ref_loader) == 32 // 4
     for epoch in (1, 2):
@@ -92,7 +93,7 @@ def test_validation_sees_every_sample_once_with_partial_last_batch(tiny_params):
     tiny_params.limit_nsamples_val = None  # 23 (t, t+dt) pairs: 5 batches of 4 and one of 3
     loader, dataset, _ = dali(tiny_params, train=False)
     tiny_params.num_data_workers = 0
-    ref_loader, _, _ = get_data_loader(tiny_params, tiny_params.valid_data_path, False,
+    ref_loader, _, _ = get_data_loader(tiny_params, tiny_params.valid_data_path,
                                        train=False)
     assert len(dataset) == 23 and len(loader) == len(ref_loader) == 6
     for _ in range(2):  # the second pass must not see leftovers of the first
@@ -165,10 +166,10 @@ def test_workers_exit_with_the_process(tiny_data):
     """A script that never calls close() (like train.py) leaves no worker processes behind."""
     script = (
         "from utils.YParams import YParams\n"
-        "from utils.data_loader_dali import get_data_loader_dali\n"
+        "from utils.data.dali import get_data_loader_dali\n"
         f"p = YParams({str(REPO / 'config' / 'ViT.yaml')!r}, 'tiny')\n"
         "p.local_batch_size, p.num_data_workers = 4, 1\n"
-        "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, False, True)\n"
+        "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, True)\n"
         "sampler.set_epoch(1)\n"
         "next(iter(loader))  # leaves the epoch (and the workers' prefetching) unfinished\n"
         "print(*loader.worker_pids)\n")

@@ -35,7 +35,7 @@ import pytest
 import torch
 from conftest import REPO, child_env, free_port, run_script
 
-from utils.data_loader import get_data_loader
+from utils.data.loader import get_data_loader
 
 ITERS = 16               # two epochs of the tiny config: 32 samples / global batch 4
 ITERS_PER_EPOCH = 8
@@ -119,7 +119,7 @@ def step_batches(params, n_samples: int, replicas: int, epoch: int,
     per_rank = []
     for rank in range(replicas):
         loader, _, sampler = get_data_loader(params, params.train_data_path,
-                                             distributed=replicas > 1, train=True,
+                                             train=True,
                                              num_replicas=replicas, rank=rank)
         sampler.set_epoch(epoch, skip_batches=skip)
         order, b = list(sampler), params.local_batch_size
@@ -172,7 +172,7 @@ def test_validation_shards_are_unshuffled_disjoint_and_cover_the_set(tiny_params
     p.limit_nsamples_val, p.local_batch_size = 8, 2
     shards = []
     for rank in (0, 1):
-        _, _, sampler = get_data_loader(p, p.valid_data_path, distributed=True, train=False,
+        _, _, sampler = get_data_loader(p, p.valid_data_path, train=False,
                                         num_replicas=2, rank=rank)
         shards.append(list(sampler))
     assert shards == [[0, 2, 4, 6], [1, 3, 5, 7]]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import CONFIG_FILE, REPO, TrainRun, free_port, run_script
 
-from utils.checkpoint import list_checkpoints
+from utils.run.checkpoint import list_checkpoints
 
 TIMEOUT = 180
 
@@ -48,101 +48,108 @@ def _data_copy(tmp: Path, tiny_data: Path) -> Path:
     return out
 
 
+# Each case writes what it needs into its own directory `d` and returns how to run it.
+CASES: dict[str, Callable[[Path, Path], Case]] = {}
+
+
+def case(fn: Callable[[Path, Path], Case]) -> Callable[[Path, Path], Case]:
+    CASES[fn.__name__.lstrip("_")] = fn
+    return fn
+
+
+@case
+def _unknown_config(d, tiny_data):
+    return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny"],
+                ["--config=no_such_config"])
+
+@case
+def _malformed_yaml(d, tiny_data):
+    bad = d / "bad.yaml"
+    bad.write_text("tiny:\n  lr: [1.0e-3\n  depth: 2\n")
+    return Case(["malformed YAML", str(bad)], ["--config=tiny", f"--yaml_config={bad}"])
+
+@case
+def _unknown_flag_value(d, tiny_data):  # argparse: a usage line, then one error line
+    return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
+
+@case
+def _missing_data_directory(d, tiny_data):
+    return Case([str(d / "none" / "train"), "does not exist"], data_dir=d / "none")
+
+@case
+def _empty_data_directory(d, tiny_data):
+    for sub in ("train", "valid", "test", "stats"):
+        (d / "data" / sub).mkdir(parents=True)
+    return Case(["no .h5 files", str(d / "data" / "train")], data_dir=d / "data")
+
+@case
+def _wrong_hdf5_layout(d, tiny_data):
+    data = _data_copy(d, tiny_data)
+    bad = sorted((data / "train").glob("*.h5"))[0]
+    bad.unlink()
+    with h5py.File(bad, "w") as f:
+        f["temperature"] = np.zeros((4, 20, 16, 32), np.float32)
+    return Case([str(bad), "no dataset 'fields'", "temperature"], data_dir=data)
+
+@case
+def _stats_shape_mismatch(d, tiny_data):
+    data = _data_copy(d, tiny_data)
+    np.save(data / "stats" / "global_means.npy", np.zeros((1, 5, 1, 1), np.float32))
+    return Case(["global_means.npy", "(1, 5, 1, 1)", "expected (1, 20"], data_dir=data)
+
+@case
+def _img_size_not_a_multiple_of_patch(d, tiny_data):
+    cfg = _yaml(d, "bad_patch:\n  <<: *tiny\n  patch_size: 5\n")
+    return Case(["img_size 16x32", "patch_size 5"],
+                ["--config=bad_patch", f"--yaml_config={cfg}"])
+
+@case
+def _heads_not_divisible_by_tp(d, tiny_data):
+    return Case(["num_heads 4", "tp 3"], ["--config=tiny", "--tp=3"], script="train_mp.py")
+
+@case
+def _world_not_divisible_by_tp_cp(d, tiny_data):
+    return Case(["world size 1", "tp x cp x h x w = 2 x 1 x 1 x 1"],
+                ["--config=tiny", "--tp=2"], script="train_mp.py")
+
+@case
+def _dali_unavailable(d, tiny_data):
+    # An `nvidia` package without `dali` ahead of the installed one: DALI is "missing".
+    (d / "nvidia").mkdir()
+    (d / "nvidia" / "__init__.py").write_text("")
+    return Case(["data_loader_config 'dali' needs NVIDIA DALI", "nvidia.dali"],
+                ["--config=tiny", "--data_loader_config=dali"],
+                env={"PYTHONPATH": f"{d}:{REPO}"})
+
+@case
+def _output_directory_not_writable(d, tiny_data):
+    # Under a regular file: fails for root too (chmod would not stop root).
+    blocker = d / "a_file"
+    blocker.write_text("")
+    return Case(["cannot write the run directory", str(blocker / "logs"), "LOG_DIR"],
+                log_dir=blocker / "logs")
+
+@case
+def _corrupt_checkpoint(d, tiny_data):
+    bad = d / "ckpt_00000004.pt"
+    torch.save({"model": {"w": torch.ones(100)}}, bad)
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated
+    return Case([str(bad), "unreadable"], ["--config=tiny", f"--resume={bad}"])
+
+@case
+def _nan_loss(d, tiny_data):
+    cfg = _yaml(d, "nan_lr:\n  <<: *tiny\n  lr: 1.0e+30\n")
+    return Case(["training loss is NaN/inf at iteration", "ckpt_00000001.pt", "is kept"],
+                ["--config=nan_lr", f"--yaml_config={cfg}", "--checkpoint_interval=1"],
+                log_dir=d / "logs")
+
+
 def _cases(tmp: Path, tiny_data: Path) -> dict[str, Case]:
     """Each case gets its own directory `tmp / name`."""
-    cases: dict[str, Case] = {}
-
-    def case(fn: Callable[[Path], Case]) -> None:
-        d = tmp / fn.__name__
-        d.mkdir()
-        cases[fn.__name__] = fn(d)
-
-    @case
-    def unknown_config(d):
-        return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny"],
-                    ["--config=no_such_config"])
-
-    @case
-    def malformed_yaml(d):
-        bad = d / "bad.yaml"
-        bad.write_text("tiny:\n  lr: [1.0e-3\n  depth: 2\n")
-        return Case(["malformed YAML", str(bad)], ["--config=tiny", f"--yaml_config={bad}"])
-
-    @case
-    def unknown_flag_value(d):  # argparse: a usage line, then one error line
-        return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
-
-    @case
-    def missing_data_directory(d):
-        return Case([str(d / "none" / "train"), "does not exist"], data_dir=d / "none")
-
-    @case
-    def empty_data_directory(d):
-        for sub in ("train", "valid", "test", "stats"):
-            (d / "data" / sub).mkdir(parents=True)
-        return Case(["no .h5 files", str(d / "data" / "train")], data_dir=d / "data")
-
-    @case
-    def wrong_hdf5_layout(d):
-        data = _data_copy(d, tiny_data)
-        bad = sorted((data / "train").glob("*.h5"))[0]
-        bad.unlink()
-        with h5py.File(bad, "w") as f:
-            f["temperature"] = np.zeros((4, 20, 16, 32), np.float32)
-        return Case([str(bad), "no dataset 'fields'", "temperature"], data_dir=data)
-
-    @case
-    def stats_shape_mismatch(d):
-        data = _data_copy(d, tiny_data)
-        np.save(data / "stats" / "global_means.npy", np.zeros((1, 5, 1, 1), np.float32))
-        return Case(["global_means.npy", "(1, 5, 1, 1)", "expected (1, 20"], data_dir=data)
-
-    @case
-    def img_size_not_a_multiple_of_patch(d):
-        cfg = _yaml(d, "bad_patch:\n  <<: *tiny\n  patch_size: 5\n")
-        return Case(["img_size 16x32", "patch_size 5"],
-                    ["--config=bad_patch", f"--yaml_config={cfg}"])
-
-    @case
-    def heads_not_divisible_by_tp(d):
-        return Case(["num_heads 4", "tp 3"], ["--config=tiny", "--tp=3"], script="train_mp.py")
-
-    @case
-    def world_not_divisible_by_tp_cp(d):
-        return Case(["world size 1", "tp x cp = 2 x 1"], ["--config=tiny", "--tp=2"],
-                    script="train_mp.py")
-
-    @case
-    def dali_unavailable(d):
-        # An `nvidia` package without `dali` ahead of the installed one: DALI is "missing".
-        (d / "nvidia").mkdir()
-        (d / "nvidia" / "__init__.py").write_text("")
-        return Case(["data_loader_config 'dali' needs NVIDIA DALI", "nvidia.dali"],
-                    ["--config=tiny", "--data_loader_config=dali"],
-                    env={"PYTHONPATH": f"{d}:{REPO}"})
-
-    @case
-    def output_directory_not_writable(d):
-        # Under a regular file: fails for root too (chmod would not stop root).
-        blocker = d / "a_file"
-        blocker.write_text("")
-        return Case(["cannot write the run directory", str(blocker / "logs"), "LOG_DIR"],
-                    log_dir=blocker / "logs")
-
-    @case
-    def corrupt_checkpoint(d):
-        bad = d / "ckpt_00000004.pt"
-        torch.save({"model": {"w": torch.ones(100)}}, bad)
-        bad.write_bytes(bad.read_bytes()[:200])  # truncated
-        return Case([str(bad), "unreadable"], ["--config=tiny", f"--resume={bad}"])
-
-    @case
-    def nan_loss(d):
-        cfg = _yaml(d, "nan_lr:\n  <<: *tiny\n  lr: 1.0e+30\n")
-        return Case(["training loss is NaN/inf at iteration", "ckpt_00000001.pt", "is kept"],
-                    ["--config=nan_lr", f"--yaml_config={cfg}", "--checkpoint_interval=1"],
-                    log_dir=d / "logs")
-
+    cases = {}
+    for name, make in CASES.items():
+        (tmp / name).mkdir()
+        cases[name] = make(tmp / name, tiny_data)
     return cases
 
 

@@ -37,9 +37,11 @@ def test_size_one_groups_are_identity() -> None:
     x = torch.randn(2, 5, requires_grad=True)
     for f in (m.copy_to_parallel_region, m.reduce_from_parallel_region):
         assert f(x, "tp") is x
-    for f in (m.scatter_to_parallel_region, m.gather_from_parallel_region,
-              m.all_gather_from_parallel_region, m.reduce_scatter_to_parallel_region):
+    for f in (m.scatter_to_parallel_region, m.gather_from_parallel_region):
         assert f(x, 1, "cp") is x
+    assert m.gather_from_parallel_region(x, 1, "cp", backward="reduce_scatter") is x
+    with pytest.raises(ValueError, match="backward must be"):
+        m.gather_from_parallel_region(x, 1, "cp", backward="sum")
 
 
 def _data(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -85,19 +87,12 @@ def _check_case(shape: tuple[int, ...], dim: int, group: str) -> None:
         y.backward(full[r])
         close(x.grad, chunk(full[r]))
 
-    # all_gather_from: all-gather / reduce-scatter (sum)
+    # gather_from, backward="reduce_scatter": all-gather / reduce-scatter (sum)
     x = part[r].clone().requires_grad_()
-    y = m.all_gather_from_parallel_region(x, dim, group, sizes)
+    y = m.gather_from_parallel_region(x, dim, group, sizes, backward="reduce_scatter")
     close(y, torch.cat(part, dim))
     y.backward(full[r])
     close(x.grad, chunk(sum(full)))
-
-    # reduce_scatter_to: reduce-scatter (sum) / all-gather
-    x = full[r].clone().requires_grad_()
-    y = m.reduce_scatter_to_parallel_region(x, dim, group)
-    close(y, chunk(sum(full)))
-    y.backward(part[r])
-    close(x.grad, torch.cat(part, dim))
 
 
 def _check_all(layouts: list[tuple[int, int, str]]) -> None:

@@ -1,4 +1,4 @@
-"""utils/loss.py and utils/metrics.py against direct float64 numpy implementations.
+"""utils/evaluation.py against direct float64 numpy implementations.
 
 The torch code computes in float32; on O(1) random data its results agree with the float64
 references to rtol 1e-5 / atol 1e-6 (float32 has ~7 significant digits; the sums here have
@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from utils.loss import l2_loss
-from utils.metrics import latitude_weights, latitudes, weighted_acc_channels, weighted_rmse_channels
+from utils.evaluation import (
+    l2_loss,
+    latitude_weights,
+    latitudes,
+    weighted_acc_channels,
+    weighted_rmse_channels,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 B, C, H, W = 3, 4, 17, 24  # odd H: a row on the equator

@@ -1,4 +1,4 @@
-"""Preemption and failures with real processes and real signals (utils/preemption.py).
+"""Preemption and failures with real processes and real signals (utils/run/preemption.py).
 
   - one process with two DataLoader workers, SIGUSR1 to all of them once training has
     started (as SLURM signals every process of a step): checkpoint, exit 3, `scontrol
@@ -43,8 +43,9 @@ from test_resume import (
     reference_run,
 )
 
-from utils.checkpoint import list_checkpoints
-from utils.preemption import EXIT_PREEMPTED, StopSignal
+from utils.errors import EXIT_PREEMPTED
+from utils.run.checkpoint import list_checkpoints
+from utils.run.preemption import StopSignal
 
 STARTED = "Starting training loop"
 # The interrupted runs: the reference's settings, without periodic checkpoints (so the only

@@ -27,7 +27,7 @@ import pytest
 import torch
 from conftest import TrainRun, run_script
 
-from utils.checkpoint import latest_checkpoint
+from utils.run.checkpoint import latest_checkpoint
 
 ITERS = 16
 TIMEOUT = 240  # seconds per run; ~10-20 s each on an idle 2-core machine

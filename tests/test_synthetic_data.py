@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-import utils.synthetic_data as sd
-from utils.synthetic_data import CHANNEL_NAMES, generate
+import utils.data.synthetic as sd
+from utils.data.synthetic import CHANNEL_NAMES, generate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(img_size=(16, 32), samples_per_year=32, train_years=2, valid_years=1, test_years=1)
@@ -163,7 +163,7 @@ def test_idempotent_and_force(tmp_path, monkeypatch, capsys):
 
 def test_cli(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "utils.synthetic_data", "--out", str(out), "--img_size", "8",
+    cmd = [sys.executable, "-m", "utils.data.synthetic", "--out", str(out), "--img_size", "8",
            "16", "--samples_per_year", "2", "--valid_years", "1", "--seed", "3"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -11,13 +11,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import run_script
 
 from networks.vit import VisionTransformer
-from utils.training import grad_scaler, lr_factor
+from utils.precision import grad_scaler
+from utils.training import lr_factor
 
 EPOCH_LINES = ("Time taken for epoch", "Avg train loss=", "Avg val loss=",
                "Total validation time:")
@@ -147,8 +149,8 @@ def test_torch_compile_run(run_train):
 
 
 def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_path):
-    import train
-    from utils.profiling import StepProfiler
+    from utils.run.profiling import StepProfiler
+    from utils.training import train_step
 
     class P:
         amp_mode = "fp16"
@@ -165,7 +167,9 @@ def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(2, 20, 16, 32), torch.randn(2, 20, 16, 32)
     prof = StepProfiler(cpu, str(tmp_path), enabled=False)
-    loss = train.train_step(model, optimizer, scaler, x, y, P, cpu, prof)
+    run = SimpleNamespace(params=P, device=cpu, model=model, optimizer=optimizer,
+                          scaler=scaler, prof=prof)  # the parts of a Training the step uses
+    loss = train_step(run, x, y)
     assert torch.isfinite(loss)
     assert scaler.get_scale() == 65536.0  # finite gradients: no back-off
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

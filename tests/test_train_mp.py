@@ -64,11 +64,13 @@ def local_parameter_count(params, tp: int, cp: int) -> int:
     """Parameters held by one rank of a tp x cp layout (runs on tp * cp processes)."""
 
     def count() -> int:
+        from distributed.layers import DistributedLayers
         from networks.vit import vit_from_params
         from utils import comm
 
         comm.init(tp=tp, cp=cp)
-        return sum(p.numel() for p in vit_from_params(params).parameters())
+        model = vit_from_params(params, layers=DistributedLayers())  # as train_mp.py builds it
+        return sum(p.numel() for p in model.parameters())
 
     counts = run_distributed(count, tp * cp, timeout=120)
     assert len(set(counts)) == 1, counts

@@ -10,13 +10,11 @@ from typing import Any
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError
 
+from utils.errors import ConfigError
+
 # Keys whose value is a path under the config's `data_dir`; `DATA_DIR` relocates them.
 DATA_PATH_KEYS = ("train_data_path", "valid_data_path", "inf_data_path",
                   "time_means_path", "global_means_path", "global_stds_path")
-
-
-class ConfigError(ValueError):
-    """A bad config file, name or value; the message is one line meant for the user."""
 
 
 def _plain(value: Any) -> Any:
@@ -95,6 +93,9 @@ class YParams:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self._params.get(key, default)
+
+    def setdefault(self, key: str, default: Any) -> Any:
+        return self._params.setdefault(key, default)
 
     def update(self, new: dict[str, Any]) -> None:
         self._params.update(new)

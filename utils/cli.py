@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from utils.YParams import ConfigError, YParams
+from utils.errors import ConfigError
+from utils.YParams import YParams
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -46,8 +47,12 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="tensor-parallel size (heads and MLP split across tp ranks)")
     p.add_argument("--cp", type=int, default=None,
                    help="context-parallel size (token sequence split across cp ranks)")
+    p.add_argument("--h_parallel_size", type=int, default=None,
+                   help="spatial parallel size over latitude rows (AFNO: distributed FFT)")
+    p.add_argument("--w_parallel_size", type=int, default=None,
+                   help="spatial parallel size over longitude columns (AFNO)")
     p.add_argument("--parallel_order", type=str, default=None,
-                   help="rank layout, fastest-varying axis first, e.g. tp-cp-dp")
+                   help="rank layout, fastest-varying axis first, e.g. tp-cp-h-w-dp")
     return p
 
 
@@ -57,21 +62,41 @@ def positive(name: str, value: Any) -> int:
     return int(value)
 
 
+# Flags copied into the config when given (a flag wins over the YAML value).
+OVERRIDES = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed",
+             "tp", "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
+             "checkpoint_interval", "checkpoint_keep")
+# Run settings that exist only as flags; they live in params too, so code reads one place.
+RUN_FLAGS = ("run_num", "local_batch_size", "resume", "requeue", "noddp", "bucket_cap_mb",
+             "disable_broadcast_buffers")
+
+
 def load_params(args: argparse.Namespace) -> YParams:
-    """YAML section + command-line overrides (a flag wins over the config)."""
+    """YAML section + command-line flags (a flag wins over the config), validated once."""
     params = YParams(args.yaml_config, args.config)
-    for key in ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed",
-                "tp", "cp", "parallel_order", "checkpoint_interval", "checkpoint_keep"):
+    for key in OVERRIDES:
         value = getattr(args, key, None)
         if value is not None:
             params[key] = value
     for key in ("enable_fused", "enable_jit"):
         if getattr(args, key):
             params[key] = True
-    params.update({"run_num": args.run_num, "local_batch_size": args.local_batch_size})
+    params.update({key: getattr(args, key) for key in RUN_FLAGS})
+    params.setdefault("tp", 1)
+    params.setdefault("cp", 1)
+    params.setdefault("h_parallel_size", 1)
+    params.setdefault("w_parallel_size", 1)
+    validate_params(params)
+    return params
+
+
+def validate_params(params: YParams) -> None:
+    """Every check of values and of how they fit together, before anything is built."""
     for key in ("num_iters", "global_batch_size", "patch_size", "embed_dim", "num_heads",
-                "depth"):
-        positive(key, params[key])
+                "depth", "tp", "cp", "h_parallel_size", "w_parallel_size"):
+        params[key] = positive(key, params[key])
+    if params.local_batch_size is not None:
+        params.local_batch_size = positive("--local_batch_size", params.local_batch_size)
     if params.amp_mode not in ("none", "fp16", "bf16"):
         raise ConfigError(f"amp_mode must be none, fp16 or bf16, got {params.amp_mode}")
     H, W = params.img_size
@@ -81,10 +106,9 @@ def load_params(args: argparse.Namespace) -> YParams:
     if params.embed_dim % params.num_heads:
         raise ConfigError(f"embed_dim {params.embed_dim} is not divisible by "
                           f"num_heads {params.num_heads}")
-    # Model parallelism, checked before any layer is built: tp splits the heads and the
-    # embedding (and with it the MLP's hidden units) across ranks, cp splits the tokens.
-    tp = positive("tp", params.get("tp", 1))
-    cp = positive("cp", params.get("cp", 1))
+    # Model parallelism, checked once, before any layer is built: tp splits the heads and
+    # the embedding (and with it the MLP's hidden units) across ranks, cp splits the tokens.
+    tp, cp = params.tp, params.cp
     for key in ("num_heads", "embed_dim"):
         if params[key] % tp:
             raise ConfigError(f"{key} {params[key]} is not divisible by tp {tp} (--tp): "
@@ -93,16 +117,3 @@ def load_params(args: argparse.Namespace) -> YParams:
     if cp > tokens:
         raise ConfigError(f"cp {cp} is larger than the {tokens} tokens of img_size {H}x{W} "
                           f"with patch_size {p}")
-    return params
-
-
-def set_batch_sizes(params: YParams, dp_size: int) -> None:
-    """global = local x dp. A given --local_batch_size redefines the global batch."""
-    if params.local_batch_size is not None:
-        params.local_batch_size = positive("--local_batch_size", params.local_batch_size)
-        params.global_batch_size = params.local_batch_size * dp_size
-    elif params.global_batch_size % dp_size:
-        raise ConfigError(f"global_batch_size {params.global_batch_size} is not divisible by "
-                          f"the data-parallel size {dp_size}")
-    else:
-        params.local_batch_size = params.global_batch_size // dp_size

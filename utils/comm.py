@@ -16,6 +16,10 @@ It builds, on every process, the groups it belongs to:
 Everything also works without torch.distributed (one process): sizes 1, ranks 0, groups None.
 Before `init` on a distributed job the layout is tp = cp = 1 and dp = the whole world
 (group None, i.e. torch's default group).
+
+This module also owns process set-up (`init_process`: launcher, device, backend, groups),
+the end of a job (`settle`, `shutdown`) and the few cross-rank agreements the run needs
+(`any_rank`, `mean_over`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Imported before any group exists, on purpose: torch.distributed.nn.functional binds
@@ -32,7 +39,8 @@ import torch.distributed as dist
 # and gloo's threads with it, until the interpreter exits (see `shutdown`).
 import torch.distributed.nn  # noqa: F401, I001
 
-from utils.launch_env import resolve_launch_env
+from utils.errors import ConfigError
+from utils.launch_env import LaunchEnv, resolve_launch_env
 from utils.rank_generator import RankGenerator
 
 GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
@@ -110,7 +118,7 @@ def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", backend: str | N
     world = get_world_size()
     model_parallel = tp * cp * h * w
     if min(tp, cp, h, w) < 1 or world % model_parallel != 0:
-        raise ValueError(f"world size {world} is not divisible by tp x cp x h x w = "
+        raise ConfigError(f"world size {world} is not divisible by tp x cp x h x w = "
                          f"{tp} x {cp} x {h} x {w}: choose sizes whose product divides it")
     layout = RankGenerator(tp, cp, world // model_parallel, order, h=h, w=w)
     rank = get_world_rank()
@@ -186,3 +194,88 @@ def reset() -> None:
     _ranks.clear()
     _groups.clear()
     _layout = None
+
+
+# ----------------------------------------------------------------------------- process set-up
+
+def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int = 1,
+                 w: int = 1) -> tuple[LaunchEnv, torch.device]:
+    """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups."""
+    env = resolve_launch_env()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        # TF32 matmuls unless the user turned them off the NVIDIA way.
+        tf32 = os.environ.get("NVIDIA_TF32_OVERRIDE", "1") != "0"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = True
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(cpu_threads(env))
+    if env.distributed:
+        # A bounded timeout: a dead rank ends the job instead of hanging it for 30 minutes.
+        timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_SEC", "300")))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank, world_size=env.world_size, timeout=timeout,
+            device_id=device if device.type == "cuda" else None)
+    init(tp=tp, cp=cp, order=order, h=h, w=w)  # every rank raises the same one-line error
+    return env, device
+
+
+def cpu_threads(env: LaunchEnv, environ: Any = None) -> int:
+    """Intra-op threads for a CPU process: OMP_NUM_THREADS if set, else the CPUs SLURM gave
+    the task, else the cores shared evenly by the processes on this node (several ranks
+    with all cores each would oversubscribe the machine)."""
+    environ = os.environ if environ is None else environ
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        if environ.get(key, "").isdigit() and int(environ[key]) > 0:
+            return int(environ[key])
+    per_node = environ.get("LOCAL_WORLD_SIZE") or environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if per_node is None and env.distributed:
+        per_node = str(env.world_size)  # unknown layout: assume one node
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, int(per_node or 1)))
+
+
+# ----------------------------------------------------------------------------- agreements
+
+def settle() -> None:
+    """A barrier before the ranks leave together (a finished or preempted run, an error every
+    rank raises): no rank shuts its connections down (`shutdown`) while a peer is still in a
+    collective with it."""
+    if is_distributed():
+        dist.barrier()
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu", group: str | None = None) -> bool:
+    """True on every rank of `group` (default: the world) if `flag` is true on any of them.
+    Collective: every rank must call it."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_group(group) if group else None)
+    return t.item() > 0
+
+
+def sum_over(values: torch.Tensor, group: str) -> torch.Tensor:
+    """In-place sum of `values` over the ranks of `group` (returns it)."""
+    if is_distributed() and get_size(group) > 1:
+        dist.all_reduce(values, group=get_group(group))
+    return values
+
+
+def mean_over(values: torch.Tensor, group: str) -> torch.Tensor:
+    """In-place mean of `values` over the ranks of `group` (returns it)."""
+    return sum_over(values, group).div_(get_size(group))
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """World rank 0's `value` on every rank (one small pickled object)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

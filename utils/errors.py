@@ -1,44 +1,35 @@
-"""How a train script ends: user errors (bad config, data, flags) with one line, not a
-traceback, and every ending with torch.distributed shut down cleanly."""
+"""Errors a user can fix (a bad flag, config, data file, launch or checkpoint), and exit codes.
+
+A leaf module: everything may import it, it imports nothing of the project. `run_main`
+(utils/run/main.py) prints any `UserError` as one `error: ...` line and exits with
+EXIT_USER_ERROR; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
-
-from utils import comm
-from utils.checkpoint import CheckpointError
-from utils.data_loader import DataError
-from utils.launch_env import LaunchError
-from utils.preemption import EXIT_PREEMPTED
-from utils.training import settle
-from utils.YParams import ConfigError
-
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, LaunchError,
-                                                CheckpointError, FloatingPointError)
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # a UserError: the message says what to change
+EXIT_PREEMPTED = 3   # stopped by SIGUSR1/SIGTERM after saving a checkpoint
 
 
-def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoReturn:
-    """Run a script's `main(argv)` and exit: 0 when it returns, its own code when it calls
-    sys.exit (e.g. preempted), 2 with one `error:` line for a user error.
+class UserError(ValueError):
+    """Base of the errors whose one-line message tells the user what to change."""
 
-    Every such ending first shuts torch.distributed down (`comm.shutdown`). That happens
-    after the `try`, where the exception and the frames its traceback held (the model, and
-    the group DDP keeps) are already gone. A finished or preempted run ends on every rank
-    at once, so the ranks meet at a barrier first (an error every rank raises has passed
-    one already). Other exceptions are bugs: they propagate with their traceback.
-    """
-    code: Any = 0
-    try:
-        main(argv)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_USER_ERROR
-    except SystemExit as e:
-        code = e.code
-    if code in (0, None, EXIT_PREEMPTED):
-        settle()
-    comm.shutdown()
-    sys.exit(code)
+
+class ConfigError(UserError):
+    """A bad config file, name, value or flag."""
+
+
+class DataError(UserError):
+    """Bad data directory, file layout or statistics."""
+
+
+class LaunchError(UserError):
+    """An inconsistent launcher environment (torchrun, SLURM, mpirun)."""
+
+
+class CheckpointError(UserError):
+    """An unreadable, incompatible or unwritable checkpoint; the message names the file."""
+
+
+class DivergedError(UserError, FloatingPointError):
+    """The training loss or the parameters became NaN/inf; nothing was saved after it."""

@@ -12,9 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-
-class LaunchError(ValueError):
-    """An inconsistent launch environment; the message is one line."""
+from utils.errors import LaunchError
 
 
 @dataclass(frozen=True)

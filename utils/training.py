@@ -1,96 +1,42 @@
-"""Plumbing shared by train.py, train_mp.py and train_mp_graphs.py: process set-up,
-optimizer and schedule, mixed precision, validation, memory and run directories.
-The training loop itself stays in the scripts, where a reader can follow it."""
+"""What a training run is made of, built once: `build_training` returns a `Training` holding
+the model, optimizer, schedule, loss scaler, loaders, checkpointer, profiler, run log and the
+run guard; `train_step` is one optimizer step on it. The train scripts and the benchmarks use
+the same two, so a benchmark times exactly what training runs. The loop itself lives in
+train.py, where a reader follows it top to bottom.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import os
-import resource
-from datetime import timedelta
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from utils import comm
-from utils.data_loader import DataError, load_stats
-from utils.launch_env import LaunchEnv, resolve_launch_env
-from utils.loss import l2_loss
-from utils.metrics import weighted_acc_channels, weighted_rmse_channels
-from utils.YParams import ConfigError
+from utils.data.loader import get_loader
+from utils.errors import ConfigError, DataError
+from utils.evaluation import Normaliser, l2_loss
+from utils.precision import autocast, grad_scaler
+from utils.run.checkpoint import Checkpointer, resolve_resume
+from utils.run.guard import RunGuard
+from utils.run.preemption import StopSignal
+from utils.run.profiling import StepProfiler
+from utils.run.progress import Progress
+from utils.run.run_log import RunLog
+from utils.run.setup import experiment_dir
 
-log = logging.getLogger(__name__)
-
-
-def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-dp") -> tuple[LaunchEnv,
-                                                                           torch.device]:
-    """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups."""
-    env = resolve_launch_env()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        # TF32 matmuls unless the user turned them off the NVIDIA way.
-        tf32 = os.environ.get("NVIDIA_TF32_OVERRIDE", "1") != "0"
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-        torch.backends.cudnn.benchmark = True
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(env))
-    if env.distributed:
-        # A bounded timeout: a dead rank ends the job instead of hanging it for 30 minutes.
-        timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_SEC", "300")))
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank, world_size=env.world_size, timeout=timeout,
-            device_id=device if device.type == "cuda" else None)
-    if env.world_size % (tp * cp):  # every rank finds this: all exit with the same line
-        raise ConfigError(f"world size {env.world_size} is not divisible by tp x cp = "
-                          f"{tp} x {cp}: launch a multiple of {tp * cp} processes, or change "
-                          "--tp / --cp")
-    comm.init(tp=tp, cp=cp, order=order)
-    return env, device
-
-
-def cpu_threads(env: LaunchEnv, environ: Any = None) -> int:
-    """Intra-op threads for a CPU process: OMP_NUM_THREADS if set, else the CPUs SLURM gave
-    the task, else the cores shared evenly by the processes on this node (several ranks
-    with all cores each would oversubscribe the machine)."""
-    environ = os.environ if environ is None else environ
-    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
-        if environ.get(key, "").isdigit() and int(environ[key]) > 0:
-            return int(environ[key])
-    per_node = environ.get("LOCAL_WORLD_SIZE") or environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if per_node is None and env.distributed:
-        per_node = str(env.world_size)  # unknown layout: assume one node
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, int(per_node or 1)))
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"Using GPU {torch.cuda.get_device_name(device)} (cuda:{device.index})"
-    return f"CUDA not available: training on CPU with {torch.get_num_threads()} threads"
-
-
-def experiment_dir(params: Any, world_size: int, device: torch.device) -> str:
-    """<expdir>/<config>/<N><GPU|CPU>/<run_num>/, as in the tutorial."""
-    kind = "GPU" if device.type == "cuda" else "CPU"
-    path = os.path.join(params.expdir, params.config, f"{world_size}{kind}", str(params.run_num))
-    return path
-
+# ----------------------------------------------------------------------------- optimizer
 
 def build_optimizer(params: Any, model: torch.nn.Module,
                     capturable: bool = False) -> torch.optim.Optimizer:
     """Adam; `capturable` (CUDA graphs) keeps the step on the GPU and the LR in a tensor
     that the scheduler updates in place, so a replayed graph sees the current LR."""
     if params.optimizer != "Adam":
-        raise ValueError(f"optimizer '{params.optimizer}' is not supported (use Adam)")
+        raise ConfigError(f"optimizer '{params.optimizer}' is not supported (use Adam)")
     lr = params.lr
     if capturable:
         lr = torch.tensor(float(params.lr), device=next(model.parameters()).device)
@@ -113,138 +59,142 @@ def build_scheduler(params: Any, optimizer: torch.optim.Optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, n, w, s))
 
 
-def autocast_dtype(amp_mode: str) -> torch.dtype | None:
-    return {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp_mode]
+def wrap_model(model: torch.nn.Module, params: Any, device: torch.device) -> torch.nn.Module:
+    """DDP over the data-parallel group (every rank for train.py; train_mp.py's dp group),
+    then torch.compile. On a GPU, DDP is built on a side stream: CUDA-graph capture of the
+    full backward requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel")
+    and it costs nothing otherwise."""
+    if comm.get_size("dp") > 1 and not params.noddp:
+        side = torch.cuda.Stream() if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            # DDP all-reduces gradients bucket by bucket while backward is still running.
+            model = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=comm.get_group("dp"), bucket_cap_mb=params.bucket_cap_mb,
+                broadcast_buffers=not params.disable_broadcast_buffers,
+                gradient_as_bucket_view=params.disable_broadcast_buffers)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+    if params.enable_jit:
+        model = torch.compile(model)
+    return model
 
 
-def autocast(params: Any, device: torch.device):
-    dtype = autocast_dtype(params.amp_mode)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+# ----------------------------------------------------------------------------- run state
+
+@dataclass
+class Training:
+    """Everything a run holds; built by `build_training`."""
+
+    params: Any
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    train_loader: Any
+    train_sampler: Any
+    val_loader: Any
+    norm: Normaliser
+    ckpt: Checkpointer
+    prof: StepProfiler
+    log: RunLog
+    guard: RunGuard
+    progress: Progress
+    exp_dir: str
+    steps_per_epoch: int
+    resumed: bool = False
+
+    @property
+    def last_epoch(self) -> int:
+        return math.ceil(self.params.num_iters / self.steps_per_epoch)
+
+    def epochs(self) -> Iterator[int]:
+        """Epoch numbers until `num_iters` steps are done. A run resumed inside an epoch
+        first finishes that one (at least its end-of-epoch work, when the checkpoint came at
+        its last step); the sampler skips the batches already done."""
+        p = self.progress
+        while p.iters < self.params.num_iters or p.epoch_step != 0:
+            if p.epoch_step == 0:  # the previous epoch is complete: start the next one
+                p.start_epoch()
+            self.train_sampler.set_epoch(p.epoch, skip_batches=p.epoch_step)
+            yield p.epoch
+            p.epoch_step = 0  # this epoch is done, end-of-epoch work included
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The current epoch's remaining batches, stopping at `num_iters` steps."""
+        if self.progress.iters >= self.params.num_iters:
+            return
+        for batch in self.train_loader:
+            yield batch
+            if self.progress.iters >= self.params.num_iters:
+                return
+
+    def close(self) -> None:
+        self.log.close()
 
 
-def grad_scaler(params: Any, device: torch.device) -> torch.amp.GradScaler:
-    """Loss scaling keeps fp16 gradients from underflowing; bf16 and fp32 don't need it."""
-    return torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
+def build_training(params: Any, device: torch.device, model: torch.nn.Module,
+                   checkpoint_hooks: dict[str, Callable] | None = None,
+                   capturable: bool = False) -> Training:
+    """Loaders, optimizer, schedule, loss scaling, checkpoints (resumed if asked), profiler
+    and logs for `model` (already on `device`, wrapped by `wrap_model`)."""
+    exp_dir = experiment_dir(params, comm.get_world_size(), device)
+    # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (utils/run/preemption.py).
+    # Installed before the data loaders fork their workers, which inherit the handler.
+    stop = StopSignal()
+    # Every data-parallel rank reads its own shard of each epoch.
+    shard = {"num_replicas": comm.get_size("dp"), "rank": comm.get_rank("dp")}
+    train_loader, _, train_sampler = get_loader(params, params.train_data_path, train=True,
+                                                **shard)
+    if len(train_loader) == 0:
+        raise DataError(f"{params.train_data_path}: fewer training samples per data-parallel "
+                        f"rank than the local batch size {params.local_batch_size}")
+    val_loader, _, _ = get_loader(params, params.valid_data_path, train=False, **shard)
+    optimizer = build_optimizer(params, model, capturable=capturable)
+    scheduler = build_scheduler(params, optimizer)
+    scaler = grad_scaler(params, device)
+    ckpt = Checkpointer(exp_dir, params, model, optimizer, scheduler, scaler,
+                        **(checkpoint_hooks or {}))
+    progress = Progress(loss_sum=torch.zeros((), device=device))
+    resume = resolve_resume(params.resume, exp_dir, requeue=params.requeue)
+    if resume:
+        progress = ckpt.restore(resume)
+    ckpt.start_at(progress.iters)  # set aside checkpoints of an earlier run beyond this point
+    # purge_step: a resumed run first drops the TensorBoard events that the interrupted run
+    # wrote after its checkpoint, so that every curve is one line without repeated steps.
+    # Events at step `iters` itself are kept, unless that step's end-of-epoch work is still
+    # to do (epoch_step != 0): then this run writes them again.
+    purge = (progress.iters + (0 if progress.epoch_step else 1)) if resume else None
+    return Training(
+        params=params, device=device, model=model, optimizer=optimizer, scheduler=scheduler,
+        scaler=scaler, train_loader=train_loader, train_sampler=train_sampler,
+        val_loader=val_loader, norm=Normaliser(params, device), ckpt=ckpt,
+        prof=StepProfiler(device, exp_dir, rank=comm.get_world_rank()),
+        log=RunLog(exp_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
+        guard=RunGuard(params, device, ckpt, stop), progress=progress, exp_dir=exp_dir,
+        steps_per_epoch=len(train_loader), resumed=bool(resume))
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: max allocated by tensors. CPU: the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1024**3
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+# ----------------------------------------------------------------------------- the step
 
-
-class Normaliser:
-    """Per-channel global statistics, to report errors in physical units."""
-
-    def __init__(self, params: Any, device: torch.device):
-        C = int(params.n_out_channels)
-        H, W = params.img_size
-        # load_stats: a missing file or a wrong shape is a one-line DataError.
-        self.means = torch.from_numpy(
-            load_stats(params.global_means_path, C, "global means")).to(device)
-        self.stds = torch.from_numpy(
-            load_stats(params.global_stds_path, C, "global stds")).to(device)
-        clim = load_stats(params.time_means_path, C, "time means")
-        if clim.shape[2] < H or clim.shape[3] < W:
-            raise DataError(f"time means {params.time_means_path} are {clim.shape[2]}x"
-                            f"{clim.shape[3]}, smaller than img_size {H}x{W}")
-        clim = torch.from_numpy(clim[:, :, :H, :W]).to(device)
-        self.climatology = (clim - self.means) / self.stds  # normalised, for ACC
-
-
-def settle() -> None:
-    """A barrier before the ranks leave together (a finished or preempted run, an error every
-    rank raises): no rank shuts its connections down (`comm.shutdown`) while a peer is still
-    in a collective with it."""
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(values: torch.Tensor, group: Any = None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(values, group=group)
-    return values
-
-
-@torch.no_grad()
-def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: Any,
-             norm: Normaliser, group: Any = None, max_batches: int | None = None
-             ) -> dict[str, float]:
-    """Loss, latitude-weighted RMSE(u10m) in m/s, persistence RMSE and ACC over the
-    validation set, summed over data-parallel ranks (`group`) and averaged."""
-    model.eval()
-    # [loss, rmse_u10, persistence_u10, acc_u10, acc_t2m, samples]
-    acc = torch.zeros(6, dtype=torch.float64, device=device)
-    first = None
-    for i, (inp, tar) in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        inp, tar = inp.to(device, non_blocking=True), tar.to(device, non_blocking=True)
-        with autocast(params, device):
-            gen = model(inp)
-        gen = gen.float()
-        b = inp.shape[0]
-        rmse = weighted_rmse_channels(gen, tar) * norm.stds[0, :, 0, 0]
-        persist = weighted_rmse_channels(inp, tar) * norm.stds[0, :, 0, 0]
-        skill = weighted_acc_channels(gen, tar, norm.climatology)
-        acc += torch.stack([l2_loss(gen, tar).double() * b, rmse[:, 0].double().sum(),
-                            persist[:, 0].double().sum(), skill[:, 0].double().sum(),
-                            skill[:, 2].double().sum(),
-                            torch.tensor(float(b), dtype=torch.float64, device=device)])
-        if first is None:
-            first = (inp[0, 2].cpu().numpy(), tar[0, 2].cpu().numpy(), gen[0, 2].cpu().numpy())
-    all_reduce_sum(acc, group)
-    n = max(acc[5].item(), 1.0)
-    model.train()
-    return {"loss": acc[0].item() / n, "rmse_u10m": acc[1].item() / n,
-            "persistence_rmse_u10m": acc[2].item() / n, "acc_u10m": acc[3].item() / n,
-            "acc_t2m": acc[4].item() / n, "samples": n, "example_t2m": first}
-
-
-class NonFiniteLoss:
-    """Remembers the first iteration whose training loss was NaN or inf.
-
-    `record` runs on the device and never waits for it (no host sync: a GPU keeps running
-    ahead of Python). `check` reads the result (a sync; an all-reduce when distributed, so
-    every rank stops at the same step) and raises FloatingPointError. train() checks every
-    step on CPU, where reading a value costs nothing, every `GPU_CHECK_EVERY` steps on a GPU,
-    and always at the end of an epoch and before writing a checkpoint: no NaN reaches a
-    checkpoint. With fp16 the GradScaler already skips steps whose *gradients* overflow;
-    a loss that is NaN/inf in the forward pass itself is a real failure and stops the run.
-    """
-
-    GPU_CHECK_EVERY = 50
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.first = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
-
-    def record(self, loss: torch.Tensor, iteration: int) -> None:
-        self.first.masked_fill_((self.first < 0) & ~torch.isfinite(loss.detach()), iteration)
-
-    def due(self, iteration: int) -> bool:
-        return self.device.type != "cuda" or iteration % self.GPU_CHECK_EVERY == 0
-
-    def check(self, last_checkpoint: str | None = None) -> None:
-        never = torch.iinfo(torch.int64).max
-        first = torch.where(self.first < 0, never, self.first)
-        if dist.is_initialized():
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        iteration = int(first.item())
-        if iteration != never:
-            settle()  # every rank raises now and exits
-            raise FloatingPointError(
-                f"training loss is NaN/inf at iteration {iteration}: stopped without saving; "
-                f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept "
-                "(lower the lr, or use bf16 instead of fp16)")
-
-
-def seed_everything(seed: int) -> None:
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def train_step(run: Training, inp: torch.Tensor, tar: torch.Tensor,
+               after_backward: Callable[[torch.nn.Module], None] | None = None
+               ) -> torch.Tensor:
+    """One optimizer step: forward under autocast, scaled backward, optimizer step.
+    `after_backward(model)` runs between backward and the update (train_mp.py: the
+    model-parallel gradient reduction)."""
+    prof = run.prof
+    with prof.range("forward"):
+        with autocast(run.params, run.device):
+            loss = l2_loss(run.model(inp), tar)
+    with prof.range("backward"):
+        run.scaler.scale(loss).backward()
+    if after_backward is not None:
+        with prof.range("model-parallel gradient reduction"):
+            after_backward(run.model)
+    with prof.range("optimizer"):
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

@@ -1,6 +1,6 @@
 """README pictures from a finished run: training curves and a t2m forecast map.
 
-    python -m utils.plot_run --config cpu_base --run logs/cpu_base/1CPU/00 --out docs
+    python -m tools.plot_run --config cpu_base --run logs/cpu_base/1CPU/00 --out docs
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 )
 
 from networks.vit import vit_from_params  # noqa: E402
-from utils.checkpoint import latest_checkpoint  # noqa: E402
-from utils.data_loader import ERA5Dataset  # noqa: E402
-from utils.plots import target_vs_prediction  # noqa: E402
+from utils.data.loader import ERA5Dataset  # noqa: E402
+from utils.run.checkpoint import latest_checkpoint  # noqa: E402
+from utils.run.figures import target_vs_prediction  # noqa: E402
 from utils.YParams import YParams  # noqa: E402
 
 

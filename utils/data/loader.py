@@ -17,15 +17,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-
-class DataError(ValueError):
-    """Bad data directory, file layout or statistics; the message is one line."""
+from utils.errors import DataError
 
 
 def list_year_files(path: str) -> list[str]:
     if not os.path.isdir(path):
         raise DataError(f"data directory {path} does not exist "
-                        "(make the synthetic data with `python -m utils.synthetic_data`, "
+                        "(make the synthetic data with `python -m utils.data.synthetic`, "
                         "or set DATA_DIR)")
     files = sorted(glob.glob(os.path.join(path, "*.h5")))
     if not files:
@@ -165,29 +163,35 @@ class ShardSampler(DistributedSampler):
         return max(super().__len__() - self.skip, 0)
 
 
-def dataset_and_sampler(params: Any, location: str, distributed: bool, train: bool,
-                        num_replicas: int = 1, rank: int = 0
-                        ) -> tuple[ERA5Dataset, ShardSampler]:
+def dataset_and_sampler(params: Any, location: str, train: bool, num_replicas: int = 1,
+                        rank: int = 0) -> tuple[ERA5Dataset, ShardSampler]:
     """The dataset and its seeded shard sampler, shared by the PyTorch and DALI loaders."""
     dataset = ERA5Dataset(params, location, train)
-    if not distributed:
-        num_replicas, rank = 1, 0
     sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
                            rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
                            drop_last=train)
     return dataset, sampler
 
 
-def get_data_loader(params: Any, location: str, distributed: bool, train: bool,
-                    num_replicas: int = 1, rank: int = 0):
-    """Returns (loader, dataset, sampler).
+def get_loader(params: Any, location: str, train: bool, num_replicas: int = 1, rank: int = 0):
+    """The loader `params.data_loader_config` names ('pytorch' or 'dali'): returns
+    (loader, dataset, sampler). Data-parallel ranks pass their dp rank and size."""
+    if params.data_loader_config == "dali":
+        from utils.data.dali import get_data_loader_dali  # optional dependency: import on use
+
+        return get_data_loader_dali(params, location, train, num_replicas, rank)
+    return get_data_loader(params, location, train, num_replicas, rank)
+
+
+def get_data_loader(params: Any, location: str, train: bool, num_replicas: int = 1,
+                    rank: int = 0):
+    """The PyTorch DataLoader: returns (loader, dataset, sampler).
 
     The sampler is always a seeded `ShardSampler` (one replica when not distributed)
     so that the sample order depends only on (seed, epoch) and data-parallel ranks read
     disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
     """
-    dataset, sampler = dataset_and_sampler(params, location, distributed, train,
-                                           num_replicas, rank)
+    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank)
     workers = int(params.num_data_workers)
     loader = DataLoader(
         dataset,

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from utils.plots import target_vs_prediction
+from utils.run.figures import target_vs_prediction
 
 log = logging.getLogger(__name__)
 

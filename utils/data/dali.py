@@ -1,10 +1,10 @@
-"""NVIDIA DALI data loader: the same batches as utils/data_loader.py, read by DALI.
+"""NVIDIA DALI data loader: the same batches as utils/data/loader.py, read by DALI.
 
 The HDF5 reads run in the worker processes of DALI's parallel external source, and the
 normalisation is a DALI operator (on the GPU when there is one), so the training process only
 receives ready batches. The result is interchangeable with the PyTorch loader:
 
-    loader, dataset, sampler = get_data_loader_dali(params, path, distributed, train=True)
+    loader, dataset, sampler = get_data_loader_dali(params, path, train=True)
     sampler.set_epoch(epoch)            # or set_epoch(epoch, skip_batches=k) to resume
     for inp, tar in loader:             # torch float32 (B, C, H, W): CPU, or CUDA on a GPU
         ...
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.data_loader import DataError, ERA5Dataset, ShardSampler, dataset_and_sampler
-from utils.YParams import ConfigError
+from utils.data.loader import ERA5Dataset, ShardSampler, dataset_and_sampler
+from utils.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -213,17 +213,15 @@ class DALILoader:
         self._pipe = None
 
 
-def get_data_loader_dali(params: Any, location: str, distributed: bool, train: bool,
-                         num_replicas: int = 1, rank: int = 0
-                         ) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
-    """Returns (loader, dataset, sampler), like `utils.data_loader.get_data_loader`.
+def get_data_loader_dali(params: Any, location: str, train: bool, num_replicas: int = 1,
+                         rank: int = 0) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
+    """Returns (loader, dataset, sampler), like `utils.data.loader.get_data_loader`.
 
     `params.num_data_workers` worker processes read the files (0: the training process reads
     them itself); batches come out on the current CUDA device if there is one, else on the CPU.
     """
     require_dali()
-    dataset, sampler = dataset_and_sampler(params, location, distributed, train,
-                                           num_replicas, rank)
+    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:

@@ -288,48 +288,71 @@ def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
     while planet.index < 0:  # spin up to the statistically stationary turbulent state
         planet.advance()
     land, orog = _orography((h, w))
-    n_train = samples_per_year * train_years
-    shift = s_sum = s_sq = t_sum = None
+    stats = _TrainStats()
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
         for year in years[split]:
-            path = out / split / f"{year}.h5"
-            tmp = path.with_name(path.name + ".tmp")
-            with h5py.File(tmp, "w") as f:
-                ds = f.create_dataset("fields", (samples_per_year, len(CHANNEL_NAMES), h, w),
-                                      dtype="f4", chunks=(1, len(CHANNEL_NAMES), h, w),
-                                      track_times=False)
-                ds.attrs.update({
-                    "channel_names": list(CHANNEL_NAMES), "dt_hours": DT_HOURS, "seed": seed,
-                    "year": year, "split": split, "first_sample_index": planet.index,
-                    "samples_per_year": samples_per_year,
-                    "description": "synthetic ERA5-like two-layer QG planet, row 0 = north",
-                })
-                for i in range(samples_per_year):
-                    x = planet.diagnose((h, w), land, orog)
-                    ds[i] = x
-                    if split == "train":  # shifted sums keep the variance accurate
-                        x64 = x.astype(np.float64)
-                        if shift is None:
-                            shift = x64.mean(axis=(1, 2), keepdims=True)
-                            s_sum, s_sq, t_sum = 0.0, 0.0, np.zeros_like(x64)
-                        d = x64 - shift
-                        s_sum = s_sum + d.sum(axis=(1, 2), keepdims=True)
-                        s_sq = s_sq + (d * d).sum(axis=(1, 2), keepdims=True)
-                        t_sum += x64
-                    planet.advance()
-            os.replace(tmp, path)
+            _write_year(out / split / f"{year}.h5", planet, (h, w), land, orog, split, year,
+                        samples_per_year, seed, stats if split == "train" else None)
     (out / "stats").mkdir(parents=True, exist_ok=True)
-    n = n_train * h * w
-    mean_d = s_sum / n
-    stds = np.sqrt(np.maximum(s_sq / n - mean_d**2, 0.0))
-    _save_npy(out / "stats" / "global_means.npy", (shift + mean_d)[None])
-    _save_npy(out / "stats" / "global_stds.npy", stds[None])
-    _save_npy(out / "stats" / "time_means.npy", (t_sum / n_train)[None])
+    stats.save(out / "stats")
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({size / 1e6:.1f} MB) to {out} in {seconds:.1f} s")
     return {**summary, "skipped": False, "seconds": seconds, "bytes": size}
+
+
+def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.ndarray,
+                orog: np.ndarray, split: str, year: int, samples_per_year: int, seed: int,
+                stats: _TrainStats | None) -> None:
+    """One year file, written under a temporary name and renamed when complete."""
+    h, w = shape
+    tmp = path.with_name(path.name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        ds = f.create_dataset("fields", (samples_per_year, len(CHANNEL_NAMES), h, w),
+                              dtype="f4", chunks=(1, len(CHANNEL_NAMES), h, w),
+                              track_times=False)
+        ds.attrs.update({
+            "channel_names": list(CHANNEL_NAMES), "dt_hours": DT_HOURS, "seed": seed,
+            "year": year, "split": split, "first_sample_index": planet.index,
+            "samples_per_year": samples_per_year,
+            "description": "synthetic ERA5-like two-layer QG planet, row 0 = north",
+        })
+        for i in range(samples_per_year):
+            x = planet.diagnose((h, w), land, orog)
+            ds[i] = x
+            if stats is not None:
+                stats.add(x)
+            planet.advance()
+    os.replace(tmp, path)
+
+
+class _TrainStats:
+    """Per-channel mean and std over every training sample and pixel, and the per-pixel time
+    mean (the climatology). Shifted sums keep the variance accurate in float64."""
+
+    def __init__(self) -> None:
+        self.shift = None
+        self.count = 0
+
+    def add(self, x: np.ndarray) -> None:
+        x64 = x.astype(np.float64)
+        if self.shift is None:
+            self.shift = x64.mean(axis=(1, 2), keepdims=True)
+            self.s_sum, self.s_sq, self.t_sum = 0.0, 0.0, np.zeros_like(x64)
+        d = x64 - self.shift
+        self.s_sum = self.s_sum + d.sum(axis=(1, 2), keepdims=True)
+        self.s_sq = self.s_sq + (d * d).sum(axis=(1, 2), keepdims=True)
+        self.t_sum += x64
+        self.count += 1
+
+    def save(self, stats_dir: Path) -> None:
+        n = self.count * self.t_sum.shape[1] * self.t_sum.shape[2]
+        mean_d = self.s_sum / n
+        stds = np.sqrt(np.maximum(self.s_sq / n - mean_d**2, 0.0))
+        _save_npy(stats_dir / "global_means.npy", (self.shift + mean_d)[None])
+        _save_npy(stats_dir / "global_stds.npy", stds[None])
+        _save_npy(stats_dir / "time_means.npy", (self.t_sum / self.count)[None])
 
 
 def _positive_int(text: str) -> int:

@@ -33,7 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.training import settle
+from utils import comm
+from utils.errors import CheckpointError, DivergedError
+from utils.model_wrappers import unwrap
+from utils.run.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,6 @@ MODEL_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
               "n_in_channels", "n_out_channels")
 REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
             "epoch_step", "rng")
-
-
-class CheckpointError(ValueError):
-    """An unreadable, incompatible or unwritable checkpoint; the message names the file."""
 
 
 def checkpoint_dir(exp_dir: str) -> str:
@@ -99,22 +98,20 @@ def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> s
     `--resume auto` had been given. Rank 0 decides and tells the others, so that every rank
     loads the same file even if a save lands while they look.
     """
-    choice: list[str | None] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    choice = None
+    if comm.get_world_rank() == 0:
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         if resume is None and requeue and restarts > 0:
             log.info(f"SLURM restart {restarts} of a --requeue job: resuming")
             resume = "auto"
         if resume == "auto":
-            choice[0] = latest_checkpoint(exp_dir)
-            if choice[0] is None:
+            choice = latest_checkpoint(exp_dir)
+            if choice is None:
                 log.info(f"--resume: no checkpoint in {checkpoint_dir(exp_dir)}, "
                          "starting from scratch")
         else:
-            choice[0] = resume
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+            choice = resume
+    return comm.broadcast_from_rank0(choice)
 
 
 # ------------------------------------------------------------------ RNG states
@@ -279,28 +276,8 @@ def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
     return ckpt
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def _identity(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if `flag` is true on any (collective when distributed)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() > 0
 
 
 class Checkpointer:
@@ -325,24 +302,26 @@ class Checkpointer:
     def start_at(self, iters: int) -> None:
         """Called once the run knows where it starts (0, or the resumed iteration): checkpoints
         of this directory beyond that point are set aside (see `set_aside_newer`)."""
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if comm.get_world_rank() == 0:
             set_aside_newer(self.exp_dir, iters)
 
     def _device(self) -> torch.device:
         return next(unwrap(self.model).parameters()).device
 
-    def save(self, iters: int, epoch: int, epoch_step: int,
-             loss_sum: torch.Tensor | None = None, step_count: int = 0) -> str | None:
-        """Write ckpt_<iters>.pt (collective). `epoch_step` batches of `epoch` are done;
-        `loss_sum` / `step_count`: this rank's loss summed over them, for the epoch average."""
+    def save(self, progress: Progress) -> str | None:
+        """Write ckpt_<iters>.pt (collective): the model, optimizer, schedule, scaler and
+        where the loop stands (`progress`; its loss sum is this rank's, for the epoch
+        average)."""
+        iters, epoch, epoch_step = progress.iters, progress.epoch, progress.epoch_step
+        loss_sum, step_count = progress.loss_sum, progress.step_count
         module = unwrap(self.model)
         device = self._device()
         # Never replace a good checkpoint by a broken one: every rank checks its own shard.
         bad = next((n for n, p in module.named_parameters()
                     if not bool(torch.isfinite(p.detach()).all())), None)
-        if _any_rank(bad is not None, device):
-            settle()  # every rank raises now and exits
-            raise FloatingPointError(
+        if comm.any_rank(bad is not None, device):
+            comm.settle()  # every rank raises now and exits
+            raise DivergedError(
                 f"parameters are NaN/inf at iteration {iters}"
                 f"{f' ({bad})' if bad else ''}: not saved; the last checkpoint "
                 f"{self.last_saved or '(none)'} is kept (lower the lr, or use bf16)")
@@ -357,7 +336,7 @@ class Checkpointer:
                                               "step_count": int(step_count)})
             rank = dist.get_rank()
         path = os.path.join(checkpoint_dir(self.exp_dir), f"ckpt_{iters:08d}.pt")
-        error: list[str | None] = [None]
+        error = None
         if rank == 0:
             try:
                 save_atomic({
@@ -374,20 +353,19 @@ class Checkpointer:
                 prune(self.exp_dir, self.keep)
                 log.info(f"Saved checkpoint {path} (iteration {iters})")
             except OSError as e:
-                error[0] = f"cannot write checkpoint {path}: {e.strerror or e}"
-        if dist.is_initialized():
-            # Nobody exits or reads before the file is complete, and a failed write stops
-            # every rank (not only rank 0, leaving the others waiting).
-            dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            settle()  # every rank raises now and exits
-            raise CheckpointError(error[0])
+                error = f"cannot write checkpoint {path}: {e.strerror or e}"
+        # Nobody exits or reads before the file is complete, and a failed write stops
+        # every rank (not only rank 0, leaving the others waiting).
+        error = comm.broadcast_from_rank0(error)
+        if error:
+            comm.settle()  # every rank raises now and exits
+            raise CheckpointError(error)
         self.last_saved = path
         return path if rank == 0 else None
 
-    def restore(self, path: str) -> dict[str, Any]:
-        """Load `path` into the live objects (collective). Returns the loop position
-        {'iters', 'epoch', 'epoch_step'} and this rank's {'loss_sum', 'step_count'}."""
+    def restore(self, path: str) -> Progress:
+        """Load `path` into the live objects (collective). Returns where the loop stood,
+        with this rank's epoch loss sum."""
         ckpt = read_checkpoint(path, self.params)
         module = unwrap(self.model)
         missing = [n for n in self.names if n not in ckpt["model"]]
@@ -420,7 +398,7 @@ class Checkpointer:
         self.last_saved = path
         log.info(f"Resumed from {path}: iteration {ckpt['iters']}, epoch {ckpt['epoch']}, "
                  f"{ckpt['epoch_step']} batches into it")
-        return {"iters": int(ckpt["iters"]), "epoch": int(ckpt["epoch"]),
-                "epoch_step": int(ckpt["epoch_step"]),
-                "loss_sum": loop["loss_sum"].to(self._device()),
-                "step_count": int(loop["step_count"])}
+        return Progress(iters=int(ckpt["iters"]), epoch=int(ckpt["epoch"]),
+                        epoch_step=int(ckpt["epoch_step"]),
+                        loss_sum=loop["loss_sum"].to(self._device()),
+                        step_count=int(loop["step_count"]))

@@ -49,11 +49,11 @@ import signal
 import subprocess
 
 import torch
-import torch.distributed as dist
+
+from utils import comm
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 3
 
 
 class StopSignal:
@@ -82,12 +82,7 @@ class StopSignal:
         if (device.type == "cuda" and iteration is not None
                 and iteration % self.GPU_CHECK_EVERY):
             return False
-        flag = 1.0 if self.received is not None else 0.0
-        if dist.is_initialized():
-            t = torch.tensor([flag], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = t.item()
-        return flag > 0
+        return comm.any_rank(self.received is not None, device)
 
 
 def requeue_slurm_job(timeout: float = 60.0) -> bool:

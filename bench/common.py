@@ -1,0 +1,52 @@
+"""What the benchmarks share: a data set to read, and the machine they ran on."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from utils.data.synthetic import generate
+from utils.YParams import DATA_PATH_KEYS
+
+
+def find_data(params: Any) -> tempfile.TemporaryDirectory | None:
+    """Point `params` at data to read: the config's (after DATA_DIR) when its training data
+    and stats exist, else a small temporary synthetic set of the same grid (returned, so the
+    caller keeps it alive until the benchmark ends)."""
+    stats = ("global_means_path", "global_stds_path", "time_means_path")
+    if os.path.isdir(params.train_data_path) and all(os.path.isfile(params[k]) for k in stats):
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix="bench_data_")
+    print(f"no data at {params.train_data_path}: timing a temporary synthetic data set "
+          "of the same grid", flush=True)
+    generate(tmp.name, img_size=tuple(params.img_size), samples_per_year=64, train_years=1,
+             valid_years=1, test_years=1)
+    root = Path(tmp.name)
+    where = {"train_data_path": root / "train", "valid_data_path": root / "valid",
+             "inf_data_path": root / "test",
+             "time_means_path": root / "stats" / "time_means.npy",
+             "global_means_path": root / "stats" / "global_means.npy",
+             "global_stds_path": root / "stats" / "global_stds.npy"}
+    assert set(where) == set(DATA_PATH_KEYS)
+    params.update({k: str(v) for k, v in where.items()})
+    return tmp
+
+
+def machine_label(device: torch.device) -> str:
+    """The device, its vector ISA and the settings that change CPU timings."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{name} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch threads, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, torch {torch.__version__}")

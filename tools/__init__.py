@@ -1,0 +1,1 @@
+"""Tools beside the training scripts (plots of finished runs)."""

@@ -1,0 +1,1 @@
+"""Running a job: checkpoints, preemption, the run guard, logs, profiling and the exit."""

@@ -1,0 +1,90 @@
+"""What happens after every optimizer step besides training: one call, `guard.after_step`.
+
+It owns the run's housekeeping so the loop stays readable: a NaN/inf loss stops the run
+without saving; SIGUSR1/SIGTERM (any rank) saves a checkpoint and exits 3, requeueing the
+SLURM job with `--requeue`; every `checkpoint_interval` steps a checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from utils import comm
+from utils.errors import EXIT_PREEMPTED, DivergedError
+from utils.run.preemption import StopSignal, requeue_slurm_job
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss:
+    """Remembers the first iteration whose training loss was NaN or inf.
+
+    `record` runs on the device and never waits for it (no host sync: a GPU keeps running
+    ahead of Python). `check` reads the result (a sync; an all-reduce when distributed, so
+    every rank stops at the same step) and raises DivergedError. The guard checks every
+    step on CPU, where reading a value costs nothing, every `GPU_CHECK_EVERY` steps on a GPU,
+    and always at the end of an epoch and before writing a checkpoint: no NaN reaches a
+    checkpoint. With fp16 the GradScaler already skips steps whose *gradients* overflow;
+    a loss that is NaN/inf in the forward pass itself is a real failure and stops the run.
+    """
+
+    GPU_CHECK_EVERY = 50
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)  # -1: none yet
+
+    def record(self, loss: torch.Tensor, iteration: int) -> None:
+        self.first.masked_fill_((self.first < 0) & ~torch.isfinite(loss.detach()), iteration)
+
+    def due(self, iteration: int) -> bool:
+        return self.device.type != "cuda" or iteration % self.GPU_CHECK_EVERY == 0
+
+    def check(self, last_checkpoint: str | None = None) -> None:
+        never = torch.iinfo(torch.int64).max
+        first = torch.where(self.first < 0, never, self.first)
+        if comm.is_distributed():
+            torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+        iteration = int(first.item())
+        if iteration != never:
+            comm.settle()  # every rank raises now and exits
+            raise DivergedError(
+                f"training loss is NaN/inf at iteration {iteration}: stopped without saving; "
+                f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept "
+                "(lower the lr, or use bf16 instead of fp16)")
+
+
+class RunGuard:
+    """Stop signal, NaN check, checkpoint interval, requeue and exit, after each step."""
+
+    def __init__(self, params: Any, device: torch.device, ckpt: Any, stop: StopSignal):
+        self.params, self.device, self.ckpt, self.stop = params, device, ckpt, stop
+        self.interval = int(params.checkpoint_interval or 0)
+        self.nonfinite = NonFiniteLoss(device)
+
+    def after_step(self, progress: Any, loss: torch.Tensor) -> None:
+        """Called once per optimizer step with the loop's `Progress` and the step's loss."""
+        iters = progress.iters
+        self.nonfinite.record(loss, iters)  # on the device: no host sync here
+        # Every rank agrees (one all-reduce; every 10th step on a GPU) whether any rank
+        # got SIGUSR1/SIGTERM.
+        stopping = self.stop.should_stop(self.device, iters)
+        save = stopping or (self.interval > 0 and iters % self.interval == 0
+                            and iters < self.params.num_iters)  # the end saves anyway
+        if save or self.nonfinite.due(iters):
+            self.check_finite()  # never save after a NaN/inf loss
+        if save:
+            self.ckpt.save(progress)
+        if stopping:
+            log.info(f"Signal {self.stop.received} received: stopped at iteration {iters}")
+            if self.params.requeue and comm.get_world_rank() == 0:
+                requeue_slurm_job()
+            sys.exit(EXIT_PREEMPTED)
+
+    def check_finite(self) -> None:
+        """Raise DivergedError (on every rank) if any rank saw a NaN/inf loss."""
+        self.nonfinite.check(self.ckpt.last_saved)
