@@ -12,7 +12,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
-    p.add_argument("--run_num", default="00", type=str, help="tag of this run's directory")
+    p.add_argument("--run_num", default=None, type=str,
+                   help="tag of this run's directory (default 00)")
     p.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], default=None,
                    help="mixed precision (autocast); overrides the config")
     p.add_argument("--enable_fused", action="store_true", help="fused Adam kernel")
@@ -51,6 +52,13 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
     return p
 
 
+# Flags that set the config key of the same name (a flag wins over the config). The schema
+# (utils.config_schema) checks them together with the YAML, and its messages name the flag.
+FLAG_KEYS = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed", "tp",
+             "cp", "parallel_order", "checkpoint_interval", "checkpoint_keep", "run_num",
+             "local_batch_size", "enable_fused", "enable_jit")
+
+
 def positive(name: str, value: Any) -> int:
     if value is None or int(value) <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value}")
@@ -58,42 +66,11 @@ def positive(name: str, value: Any) -> int:
 
 
 def load_params(args: argparse.Namespace) -> YParams:
-    """YAML section + command-line overrides (a flag wins over the config)."""
-    params = YParams(args.yaml_config, args.config)
-    for key in ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed",
-                "tp", "cp", "parallel_order", "checkpoint_interval", "checkpoint_keep"):
-        value = getattr(args, key, None)
-        if value is not None:
-            params[key] = value
-    for key in ("enable_fused", "enable_jit"):
-        if getattr(args, key):
-            params[key] = True
-    params.update({"run_num": args.run_num, "local_batch_size": args.local_batch_size})
-    for key in ("num_iters", "global_batch_size", "patch_size", "embed_dim", "num_heads",
-                "depth"):
-        positive(key, params[key])
-    if params.amp_mode not in ("none", "fp16", "bf16"):
-        raise ConfigError(f"amp_mode must be none, fp16 or bf16, got {params.amp_mode}")
-    H, W = params.img_size
-    p = params.patch_size
-    if H % p or W % p:
-        raise ConfigError(f"img_size {H}x{W} is not a multiple of patch_size {p}")
-    if params.embed_dim % params.num_heads:
-        raise ConfigError(f"embed_dim {params.embed_dim} is not divisible by "
-                          f"num_heads {params.num_heads}")
-    # Model parallelism, checked before any layer is built: tp splits the heads and the
-    # embedding (and with it the MLP's hidden units) across ranks, cp splits the tokens.
-    tp = positive("tp", params.get("tp", 1))
-    cp = positive("cp", params.get("cp", 1))
-    for key in ("num_heads", "embed_dim"):
-        if params[key] % tp:
-            raise ConfigError(f"{key} {params[key]} is not divisible by tp {tp} (--tp): "
-                              f"choose a tp that divides it")
-    tokens = (H // p) * (W // p)
-    if cp > tokens:
-        raise ConfigError(f"cp {cp} is larger than the {tokens} tokens of img_size {H}x{W} "
-                          f"with patch_size {p}")
-    return params
+    """YAML section + command-line overrides, checked against the config schema."""
+    given = {key: getattr(args, key, None) for key in FLAG_KEYS}
+    # None: a flag not given; False: a store_true flag not given (0 is a given value).
+    overrides = {key: v for key, v in given.items() if v is not None and v is not False}
+    return YParams(args.yaml_config, args.config, overrides=overrides)
 
 
 def set_batch_sizes(params: YParams, dp_size: int) -> None:
