@@ -54,7 +54,7 @@ PosFloat = Annotated[float, Gt(0)]
 NonNegFloat = Annotated[float, Ge(0)]
 Fraction = Annotated[float, Ge(0), Lt(1)]
 Seed = Annotated[int, Ge(0), Le(2**32 - 1)]  # numpy's seed range
-Path = Annotated[str, MinLen(1)]
+PathStr = Annotated[str, MinLen(1)]
 RunTag = Annotated[str, AfterValidator(_single_path_component),
                    Expect("a single path component (no '/', not '.' or '..')")]
 AxisOrder = Annotated[str, AfterValidator(_axis_order),
@@ -102,7 +102,7 @@ class TrainingKeys(Keys):
     optimizer: Literal["Adam"] = Field("Adam", description="optimizer")
     betas: Annotated[list[Fraction], Len(2, 2)] = Field([0.9, 0.95], description="Adam betas")
     amp_mode: Literal["none", "fp16", "bf16", "auto"] = Field(
-        "none", description="autocast precision (auto: bf16 where the device runs it fast)")
+        "none", description="autocast precision (auto: chosen for the device)")
     enable_fused: bool = Field(False, description="fused Adam kernel")
     enable_jit: bool = Field(False, description="torch.compile the model")
     seed: Seed = Field(0, description="seed of weights, data order and dropout")
@@ -111,7 +111,7 @@ class TrainingKeys(Keys):
 class RunKeys(Keys):
     """Run directory and checkpoints"""
 
-    expdir: Path = Field(description="log root (LOG_DIR replaces it)")
+    expdir: PathStr = Field(description="log root (LOG_DIR replaces it)")
     run_num: RunTag = Field("00", description="run directory: `expdir/<config>/<N>CPU/<run_num>`")
     checkpoint_interval: NonNegInt = Field(
         1000, description="iterations between checkpoints (0: only at the end)")
@@ -123,13 +123,13 @@ class DataKeys(Keys):
 
     data_loader_config: Literal["pytorch", "dali"] = Field("pytorch", description="data loader")
     num_data_workers: NonNegInt = Field(0, description="loader worker processes per rank")
-    data_dir: Path = Field(description="data root (DATA_DIR replaces it in every path below)")
-    train_data_path: Path = Field(description="directory of the training years' .h5 files")
-    valid_data_path: Path = Field(description="directory of the validation years")
-    inf_data_path: Path = Field(description="directory of the test years")
-    time_means_path: Path = Field(description="climatology (1, C, H, W) .npy, for ACC")
-    global_means_path: Path = Field(description="per-channel means (1, C, 1, 1) .npy")
-    global_stds_path: Path = Field(description="per-channel standard deviations .npy")
+    data_dir: PathStr = Field(description="data root (DATA_DIR replaces it in every path below)")
+    train_data_path: PathStr = Field(description="directory of the training years' .h5 files")
+    valid_data_path: PathStr = Field(description="directory of the validation years")
+    inf_data_path: PathStr = Field(description="directory of the test years")
+    time_means_path: PathStr = Field(description="climatology (1, C, H, W) .npy, for ACC")
+    global_means_path: PathStr = Field(description="per-channel means (1, C, 1, 1) .npy")
+    global_stds_path: PathStr = Field(description="per-channel standard deviations .npy")
     limit_nsamples: PosInt | None = Field(None, description="use only the first N train samples")
     limit_nsamples_val: PosInt | None = Field(None, description="same for validation")
 
@@ -202,16 +202,23 @@ KEYS: list[str] = [k for group in GROUPS for k in group.model_fields]
 
 # ----------------------------------------------------------------- describing a type
 
+_SYMBOL = {Gt: ">", Ge: ">=", Lt: "<", Le: "<="}
+_BRACKET = {Gt: "(", Ge: "[", Lt: ")", Le: "]"}
+
+
+def _bound(meta: list[Any], kinds: tuple[type, ...]) -> tuple[type, Any] | None:
+    """(kind, value) of the first bound of these kinds (Gt(0) -> (Gt, 0)), or None."""
+    m = next((m for m in meta if type(m) in kinds), None)
+    return None if m is None else (type(m), getattr(m, type(m).__name__.lower()))
+
+
 def _bounds(name: str, meta: list[Any]) -> str:
-    lower = next((m for m in meta if isinstance(m, Ge | Gt)), None)
-    upper = next((m for m in meta if isinstance(m, Le | Lt)), None)
-    low = None if lower is None else (">=", lower.ge) if isinstance(lower, Ge) else (">", lower.gt)
-    high = None if upper is None else ("<=", upper.le) if isinstance(upper, Le) else ("<", upper.lt)
+    low, high = _bound(meta, (Gt, Ge)), _bound(meta, (Lt, Le))
     if low and high:
-        return (f"{name} in {'[' if low[0] == '>=' else '('}{low[1]}, "
-                f"{high[1]}{']' if high[0] == '<=' else ')'}")
+        return f"{name} in {_BRACKET[low[0]]}{low[1]}, {high[1]}{_BRACKET[high[0]]}"
     if low or high:
-        return f"{name} {(low or high)[0]} {(low or high)[1]}"
+        kind, value = low or high
+        return f"{name} {_SYMBOL[kind]} {value}"
     if any(isinstance(m, MinLen) for m in meta):
         return f"non-empty {name}"
     return name
@@ -256,11 +263,11 @@ def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[s
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, KEYS, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "see the config reference"
-        return f"unknown key {_culprit(key, data[key], where, flags)}: {hint}"
+        return f"unknown key {_culprit(key, data.get(key), where, flags)}: {hint}"
     if err["type"] == "missing":
         return (f"{where} has no '{key}' (required: {expected(key)}, "
                 f"{Config.model_fields[key].description})")
-    return f"bad value {_culprit(key, data[key], where, flags)}: expected {expected(key)}"
+    return f"bad value {_culprit(key, data.get(key), where, flags)}: expected {expected(key)}"
 
 
 def _order(err: dict[str, Any]) -> int:
