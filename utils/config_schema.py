@@ -272,8 +272,10 @@ def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[s
 
 def _order(err: dict[str, Any]) -> int:
     """Unknown keys first (a misspelling explains a missing key), then in schema order."""
-    if err["type"] == "extra_forbidden" or not err["loc"]:
-        return -1 if err["loc"] else len(KEYS)
+    if not err["loc"]:
+        return len(KEYS)  # a check across keys: last
+    if err["type"] == "extra_forbidden":
+        return -1
     return KEYS.index(str(err["loc"][0]))
 
 
