@@ -9,7 +9,9 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError
+from ruamel.yaml.nodes import Node, ScalarNode, SequenceNode
 
+from utils.config_schema import validate
 from utils.errors import ConfigError
 
 # Keys whose value is a path under the config's `data_dir`; `DATA_DIR` relocates them.
@@ -28,13 +30,43 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _check_duplicate_keys(node: Node, path: Path, seen: set[int] | None = None) -> None:
+    """A key given twice in one mapping is an error. ruamel finds most such keys itself, but
+    not in a mapping with a merge key (`<<: *base`), where the last one would silently win."""
+    seen = set() if seen is None else seen
+    if isinstance(node, ScalarNode) or id(node) in seen:  # an alias: checked already
+        return
+    seen.add(id(node))
+    if isinstance(node, SequenceNode):
+        for item in node.value:
+            _check_duplicate_keys(item, path, seen)
+        return
+    first: dict[str, ScalarNode] = {}
+    for key, value in node.value:
+        if isinstance(key, ScalarNode) and key.value in first:
+            raise ConfigError(
+                f"duplicate key '{key.value}' in {path}:{key.start_mark.line + 1} "
+                f"(first at line {first[key.value].start_mark.line + 1}): give each key "
+                "once per mapping")
+        if isinstance(key, ScalarNode):
+            first[key.value] = key
+        _check_duplicate_keys(value, path, seen)
+
+
 def load_yaml(yaml_file: str | os.PathLike) -> dict[str, Any]:
     path = Path(yaml_file)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
-        with open(path) as f:
-            data = YAML(typ="safe", pure=True).load(f)
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        yaml = YAML(typ="safe", pure=True)
+        _check_duplicate_keys(yaml.compose(text), path)
+        data = yaml.load(text)
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -45,10 +77,15 @@ def load_yaml(yaml_file: str | os.PathLike) -> dict[str, Any]:
 
 
 class YParams:
-    """Attribute and item access to one config section: `params.lr`, `params['lr']`."""
+    """Attribute and item access to one config section: `params.lr`, `params['lr']`.
+
+    The section, with `overrides` (command-line flags) on top, is checked against the
+    schema (utils.config_schema) once; the values kept are the validated ones.
+    """
 
     def __init__(self, yaml_file: str | os.PathLike, config_name: str,
-                 environ: dict[str, str] | None = None):
+                 environ: dict[str, str] | None = None,
+                 overrides: dict[str, Any] | None = None):
         data = load_yaml(yaml_file)
         if config_name not in data:
             names = ", ".join(sorted(data))
@@ -56,8 +93,10 @@ class YParams:
         section = data[config_name]
         if not isinstance(section, dict):
             raise ConfigError(f"config '{config_name}' in {yaml_file} is not a mapping")
-        self.__dict__["_params"] = {}
-        self.update(_plain(section))
+        overrides = overrides or {}
+        where = f"config '{config_name}' of {yaml_file}"
+        valid = validate({**_plain(section), **overrides}, where, flags=set(overrides))
+        self.__dict__["_params"] = valid
         self.update({"yaml_config": str(yaml_file), "config": config_name})
         self._apply_env(os.environ if environ is None else environ)
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from utils.errors import ConfigError
 from utils.YParams import YParams
 
 
@@ -13,7 +11,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
-    p.add_argument("--run_num", default="00", type=str, help="tag of this run's directory")
+    p.add_argument("--run_num", default=None, type=str,
+                   help="tag of this run's directory (default 00)")
     p.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], default=None,
                    help="mixed precision (autocast); overrides the config")
     p.add_argument("--enable_fused", action="store_true", help="fused Adam kernel")
@@ -56,64 +55,22 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
     return p
 
 
-def positive(name: str, value: Any) -> int:
-    if value is None or int(value) <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value}")
-    return int(value)
-
-
-# Flags copied into the config when given (a flag wins over the YAML value).
-OVERRIDES = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed",
-             "tp", "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
-             "checkpoint_interval", "checkpoint_keep")
-# Run settings that exist only as flags; they live in params too, so code reads one place.
-RUN_FLAGS = ("run_num", "local_batch_size", "resume", "requeue", "noddp", "bucket_cap_mb",
-             "disable_broadcast_buffers")
+# Flags that set the config key of the same name (a flag wins over the config). The schema
+# (utils.config_schema) checks them together with the YAML, and its messages name the flag.
+FLAG_KEYS = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed", "tp",
+             "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
+             "checkpoint_interval", "checkpoint_keep", "run_num", "local_batch_size",
+             "enable_fused", "enable_jit")
+# Settings of this run only (not config keys): they live in params too, so that the code
+# reads one place.
+RUN_FLAGS = ("resume", "requeue", "noddp", "bucket_cap_mb", "disable_broadcast_buffers")
 
 
 def load_params(args: argparse.Namespace) -> YParams:
-    """YAML section + command-line flags (a flag wins over the config), validated once."""
-    params = YParams(args.yaml_config, args.config)
-    for key in OVERRIDES:
-        value = getattr(args, key, None)
-        if value is not None:
-            params[key] = value
-    for key in ("enable_fused", "enable_jit"):
-        if getattr(args, key):
-            params[key] = True
+    """YAML section + command-line overrides, checked against the config schema."""
+    given = {key: getattr(args, key, None) for key in FLAG_KEYS}
+    # None: a flag not given; False: a store_true flag not given (0 is a given value).
+    overrides = {key: v for key, v in given.items() if v is not None and v is not False}
+    params = YParams(args.yaml_config, args.config, overrides=overrides)
     params.update({key: getattr(args, key) for key in RUN_FLAGS})
-    params.setdefault("tp", 1)
-    params.setdefault("cp", 1)
-    params.setdefault("h_parallel_size", 1)
-    params.setdefault("w_parallel_size", 1)
-    validate_params(params)
     return params
-
-
-def validate_params(params: YParams) -> None:
-    """Every check of values and of how they fit together, before anything is built."""
-    for key in ("num_iters", "global_batch_size", "patch_size", "embed_dim", "num_heads",
-                "depth", "tp", "cp", "h_parallel_size", "w_parallel_size"):
-        params[key] = positive(key, params[key])
-    if params.local_batch_size is not None:
-        params.local_batch_size = positive("--local_batch_size", params.local_batch_size)
-    if params.amp_mode not in ("none", "fp16", "bf16"):
-        raise ConfigError(f"amp_mode must be none, fp16 or bf16, got {params.amp_mode}")
-    H, W = params.img_size
-    p = params.patch_size
-    if H % p or W % p:
-        raise ConfigError(f"img_size {H}x{W} is not a multiple of patch_size {p}")
-    if params.embed_dim % params.num_heads:
-        raise ConfigError(f"embed_dim {params.embed_dim} is not divisible by "
-                          f"num_heads {params.num_heads}")
-    # Model parallelism, checked once, before any layer is built: tp splits the heads and
-    # the embedding (and with it the MLP's hidden units) across ranks, cp splits the tokens.
-    tp, cp = params.tp, params.cp
-    for key in ("num_heads", "embed_dim"):
-        if params[key] % tp:
-            raise ConfigError(f"{key} {params[key]} is not divisible by tp {tp} (--tp): "
-                              f"choose a tp that divides it")
-    tokens = (H // p) * (W // p)
-    if cp > tokens:
-        raise ConfigError(f"cp {cp} is larger than the {tokens} tokens of img_size {H}x{W} "
-                          f"with patch_size {p}")

@@ -1,0 +1,298 @@
+"""The config's schema: every key, its type, range, default and meaning, in one place.
+
+A config section (YAML merged with command-line flags) is checked once against `Config`
+(pydantic v2): wrong types, out-of-range values, unknown or missing keys and inconsistent
+combinations become a one-line `ConfigError` that names the key, its value, where it came
+from and what was expected. Valid values come back normalised (the string "5E-4" -> 0.0005).
+
+    params = validate(section, where="config 'tiny' of config/ViT.yaml", flags={"seed"})
+
+`python -m tools.config_reference` renders this schema as the README's config table.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from annotated_types import Ge, Gt, Le, Len, Lt, MinLen
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from utils.errors import ConfigError
+from utils.rank_generator import AXES, DEFAULT_ORDER, parse_axes
+
+
+class Expect:
+    """Annotation metadata: how to say what a custom-validated value must be."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _single_path_component(value: str) -> str:
+    # run_num names a directory under expdir/config/<N>CPU: it must not climb out of it.
+    seps = {"/", os.sep, os.altsep or "/", "\0"}
+    if value in ("", ".", "..") or any(s in value for s in seps):
+        raise ValueError(value)
+    return value
+
+
+def _axis_order(value: str) -> str:
+    if "dp" not in parse_axes(value):  # parse_axes rejects unknown or repeated axes
+        raise ValueError(value)
+    return value
+
+
+PosInt = Annotated[int, Gt(0)]
+NonNegInt = Annotated[int, Ge(0)]
+PosFloat = Annotated[float, Gt(0)]
+NonNegFloat = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Ge(0), Lt(1)]
+Seed = Annotated[int, Ge(0), Le(2**32 - 1)]  # numpy's seed range
+PathStr = Annotated[str, MinLen(1)]
+RunTag = Annotated[str, AfterValidator(_single_path_component),
+                   Expect("a single path component (no '/', not '.' or '..')")]
+AxisOrder = Annotated[str, AfterValidator(_axis_order),
+                      Expect(f"axes from {', '.join(AXES)} joined by '-', each at most once, "
+                             "dp included")]
+
+
+class Keys(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ModelKeys(Keys):
+    """Model"""
+
+    model: Literal["vit", "afno"] = Field("vit", description="network: ViT or AFNO (FourCastNet)")
+    embed_dim: PosInt = Field(description="width of the token embedding")
+    depth: PosInt = Field(description="number of transformer / AFNO blocks")
+    patch_size: PosInt = Field(description="side of the square patch that becomes one token")
+    num_heads: PosInt = Field(8, description="attention heads (ViT)")
+    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim (AFNO)")
+    num_blocks: PosInt = Field(8, description="block-diagonal blocks of the AFNO spectral weights")
+    sparsity_threshold: NonNegFloat = Field(0.01, description="AFNO soft-shrink threshold")
+    hard_thresholding_fraction: Annotated[float, Gt(0), Le(1)] = Field(
+        1.0, description="fraction of Fourier modes AFNO keeps")
+    dropout: Fraction = Field(0.0, description="dropout probability")
+    img_size: Annotated[list[PosInt], Len(2, 2)] = Field(
+        description="grid [H, W] read from the data (the first H rows, W columns)")
+    n_in_channels: PosInt = Field(description="input channels (20 in the ERA5 layout)")
+    n_out_channels: PosInt = Field(description="predicted channels")
+
+
+class TrainingKeys(Keys):
+    """Training"""
+
+    dt: PosInt = Field(1, description="6-hour steps between input and target")
+    rollout_steps: PosInt = Field(1, description="autoregressive steps of dt per forecast")
+    global_batch_size: PosInt = Field(description="samples per optimizer step, over all dp ranks")
+    local_batch_size: PosInt | None = Field(
+        None, description="samples per rank; if set, global = local x dp size")
+    num_iters: PosInt = Field(description="training iterations (optimizer steps)")
+    lr: PosFloat = Field(description="peak learning rate")
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
+    warmup: NonNegInt = Field(0, description="iterations of linear LR warm-up")
+    optimizer: Literal["Adam"] = Field("Adam", description="optimizer")
+    betas: Annotated[list[Fraction], Len(2, 2)] = Field([0.9, 0.95], description="Adam betas")
+    amp_mode: Literal["none", "fp16", "bf16", "auto"] = Field(
+        "none", description="autocast precision (auto: chosen for the device)")
+    enable_fused: bool = Field(False, description="fused Adam kernel")
+    enable_jit: bool = Field(False, description="torch.compile the model")
+    seed: Seed = Field(0, description="seed of weights, data order and dropout")
+
+
+class RunKeys(Keys):
+    """Run directory and checkpoints"""
+
+    expdir: PathStr = Field(description="log root (LOG_DIR replaces it)")
+    run_num: RunTag = Field("00", description="run directory: `expdir/<config>/<N>CPU/<run_num>`")
+    checkpoint_interval: NonNegInt = Field(
+        1000, description="iterations between checkpoints (0: only at the end)")
+    checkpoint_keep: PosInt = Field(3, description="newest checkpoints kept")
+
+
+class DataKeys(Keys):
+    """Data"""
+
+    data_loader_config: Literal["pytorch", "dali"] = Field("pytorch", description="data loader")
+    num_data_workers: NonNegInt = Field(0, description="loader worker processes per rank")
+    data_dir: PathStr = Field(description="data root (DATA_DIR replaces it in every path below)")
+    train_data_path: PathStr = Field(description="directory of the training years' .h5 files")
+    valid_data_path: PathStr = Field(description="directory of the validation years")
+    inf_data_path: PathStr = Field(description="directory of the test years")
+    time_means_path: PathStr = Field(description="climatology (1, C, H, W) .npy, for ACC")
+    global_means_path: PathStr = Field(description="per-channel means (1, C, 1, 1) .npy")
+    global_stds_path: PathStr = Field(description="per-channel standard deviations .npy")
+    limit_nsamples: PosInt | None = Field(None, description="use only the first N train samples")
+    limit_nsamples_val: PosInt | None = Field(None, description="same for validation")
+
+
+class ParallelKeys(Keys):
+    """Parallelism and launch"""
+
+    tp: PosInt = Field(1, description="tensor-parallel size (splits heads and MLP)")
+    cp: PosInt = Field(1, description="context-parallel size (splits the token sequence)")
+    h_parallel_size: PosInt = Field(1, description="spatial-parallel ranks over token rows")
+    w_parallel_size: PosInt = Field(1, description="spatial-parallel ranks over token columns")
+    parallel_order: AxisOrder = Field(DEFAULT_ORDER, description="rank layout, fastest axis first")
+    wireup_info: Literal["env", "mpi"] = Field(
+        "env", description="tutorial key; the launcher is detected from the environment")
+    wireup_store: Literal["tcp", "file"] = Field("tcp", description="tutorial key, as above")
+
+
+GROUPS: tuple[type[Keys], ...] = (ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys)
+
+
+def _check_patches(c: Config) -> None:
+    (H, W), p = c.img_size, c.patch_size
+    if H % p or W % p:
+        raise ValueError(f"img_size {H}x{W} is not a multiple of patch_size {p}")
+
+
+def _check_widths(c: Config) -> None:
+    # tp splits the heads and the embedding (and with it the MLP's hidden units).
+    if c.model == "vit" and c.embed_dim % c.num_heads:
+        raise ValueError(f"embed_dim {c.embed_dim} is not divisible by num_heads {c.num_heads}")
+    if c.model == "afno" and c.embed_dim % c.num_blocks:
+        raise ValueError(f"embed_dim {c.embed_dim} is not divisible by "
+                         f"num_blocks {c.num_blocks}")
+    for key in ("num_heads", "embed_dim") if c.model == "vit" else ("embed_dim",):
+        if getattr(c, key) % c.tp:
+            raise ValueError(f"{key} {getattr(c, key)} is not divisible by tp {c.tp} (--tp): "
+                             "choose a tp that divides it")
+
+
+def _check_splits(c: Config) -> None:
+    (H, W), p = c.img_size, c.patch_size
+    rows, cols = H // p, W // p
+    if c.cp > rows * cols:
+        raise ValueError(f"cp {c.cp} is larger than the {rows * cols} tokens of img_size "
+                         f"{H}x{W} with patch_size {p}")
+    for key, n, what in (("h_parallel_size", rows, "rows"), ("w_parallel_size", cols, "columns")):
+        if getattr(c, key) > n:
+            raise ValueError(f"{key} {getattr(c, key)} is larger than the {n} token {what} "
+                             f"of img_size {H}x{W} with patch_size {p}")
+    sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
+    missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
+    if missing:
+        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
+                         "whose size is > 1")
+
+
+class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
+    """Every key of a config section; checks across keys run once the keys are valid."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        _check_patches(self)
+        _check_widths(self)
+        _check_splits(self)
+        return self
+
+
+KEYS: list[str] = [k for group in GROUPS for k in group.model_fields]
+
+
+# ----------------------------------------------------------------- describing a type
+
+_SYMBOL = {Gt: ">", Ge: ">=", Lt: "<", Le: "<="}
+_BRACKET = {Gt: "(", Ge: "[", Lt: ")", Le: "]"}
+
+
+def _bound(meta: list[Any], kinds: tuple[type, ...]) -> tuple[type, Any] | None:
+    """(kind, value) of the first bound of these kinds (Gt(0) -> (Gt, 0)), or None."""
+    m = next((m for m in meta if type(m) in kinds), None)
+    return None if m is None else (type(m), getattr(m, type(m).__name__.lower()))
+
+
+def _bounds(name: str, meta: list[Any]) -> str:
+    low, high = _bound(meta, (Gt, Ge)), _bound(meta, (Lt, Le))
+    if low and high:
+        return f"{name} in {_BRACKET[low[0]]}{low[1]}, {high[1]}{_BRACKET[high[0]]}"
+    if low or high:
+        kind, value = low or high
+        return f"{name} {_SYMBOL[kind]} {value}"
+    if any(isinstance(m, MinLen) for m in meta):
+        return f"non-empty {name}"
+    return name
+
+
+def describe(annotation: Any, metadata: list[Any] | tuple = ()) -> str:
+    """A type as a person reads it: "int > 0", "float in [0, 1)", "one of 'vit', 'afno'"."""
+    if get_origin(annotation) is Annotated:
+        base, *meta = get_args(annotation)
+        return describe(base, [*meta, *metadata])
+    expect = next((m for m in metadata if isinstance(m, Expect)), None)
+    if expect:
+        return expect.text
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return " or ".join("None" if a is type(None) else describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        n = next(m.min_length for m in metadata if isinstance(m, Len))
+        return f"list of {n} ({describe(args[0])})"
+    return _bounds(annotation.__name__, list(metadata))
+
+
+def expected(key: str) -> str:
+    field = Config.model_fields[key]
+    return describe(field.annotation, field.metadata)
+
+
+# ----------------------------------------------------------------- validating a section
+
+def _culprit(key: str, value: Any, where: str, flags: set[str]) -> str:
+    if key in flags:
+        return f"--{key} {value}"
+    return f"{key}: {value!r} in {where}"
+
+
+def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[str]) -> str:
+    if not err["loc"]:  # a check across keys (model validator)
+        return f"{where}: {err['ctx']['error']}"
+    key = str(err["loc"][0])
+    if err["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(key, KEYS, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "see the config reference"
+        return f"unknown key {_culprit(key, data.get(key), where, flags)}: {hint}"
+    if err["type"] == "missing":
+        return (f"{where} has no '{key}' (required: {expected(key)}, "
+                f"{Config.model_fields[key].description})")
+    return f"bad value {_culprit(key, data.get(key), where, flags)}: expected {expected(key)}"
+
+
+def _order(err: dict[str, Any]) -> int:
+    """Unknown keys first (a misspelling explains a missing key), then in schema order."""
+    if not err["loc"]:
+        return len(KEYS)  # a check across keys: last
+    if err["type"] == "extra_forbidden":
+        return -1
+    return KEYS.index(str(err["loc"][0]))
+
+
+def validate(data: dict[str, Any], where: str, flags: set[str] | frozenset = frozenset()
+             ) -> dict[str, Any]:
+    """The section `data` checked and normalised, with defaults for absent optional keys.
+
+    `where` names the section for messages ("config 'tiny' of config/ViT.yaml"); `flags`
+    are the keys whose value came from a command-line flag (messages name the flag).
+    Raises ConfigError naming the first problem (and the keys of any others).
+    """
+    try:
+        return Config.model_validate(data).model_dump()
+    except ValidationError as e:
+        errors = sorted(e.errors(), key=_order)
+    first = _explain(errors[0], data, where, flags)
+    others = list(dict.fromkeys(str(err["loc"][0]) for err in errors[1:] if err["loc"]))
+    if errors[0]["loc"] and errors[0]["loc"][0] in others:
+        others.remove(errors[0]["loc"][0])
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        first += f" (also check {', '.join(others[:3])}{more})"
+    raise ConfigError(first)
