@@ -1,11 +1,13 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+# On a GPU node, `make test-gpu` first (tests/gpu, a few minutes; PY=<python> to use another
+# interpreter, e.g. a container's venv, instead of .venv).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= data/synthetic
 CONFIG ?= cpu_short
 
-.PHONY: venv data train test lint bench clean
+.PHONY: venv data train test test-gpu lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,10 @@ train: venv data
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The GPU self-test. Without a visible CUDA device it fails (make test skips it instead).
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),venv)
+	GPU_TESTS_REQUIRED=1 $(PY) -m pytest -q -rs tests/gpu
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -5,15 +5,19 @@
 #   srun [SITE_SRUN_ARGS] [SITE_LAUNCHER] bash -c '<task>' SCRIPT ARGS...
 #
 # where each task sources export_DDP_vars.sh (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-# MASTER_PORT from the SLURM task variables) and then execs `$PYTHON SCRIPT ARGS...`.
+# MASTER_PORT from the SLURM task variables) and site/task.sh, whose `task_run` applies the
+# site's GPU order (SITE_CUDA_VISIBLE_DEVICES, only when the task sees all of the node's
+# GPUs) and execs `$PYTHON SCRIPT ARGS...`.
 #
 # Profiling: ENABLE_PROFILING=1 [PROFILE_OUTPUT=name] runs every task under
-#   nsys profile -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi --capture-range-end=stop
+#   nsys profile -f true -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi
+#        --capture-range-end=stop [--cuda-graph-trace=node for the CUDA-graph script]
 # when nsys exists where the task runs (<name>_rank<RANK> with several tasks), and exports
 # PROFILE_WITH_NSYS=1 so that the training script (utils/run/profiling.py) opens and closes the
 # capture range with torch.cuda.profiler.start()/stop() around its profiled epoch. Without
 # nsys the run is not wrapped; the task gets TORCH_PROFILER_OUTPUT=$LOG_DIR instead, the
 # directory where the training script writes its torch.profiler traces (<name>_rank<RANK>.*).
+# The details, and why, are in site/task.sh.
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export REPO_DIR
@@ -32,21 +36,8 @@ fi
 # What one task runs (single quotes: expanded by the task's bash, inside any container).
 _TASK='
 source "$REPO_DIR/export_DDP_vars.sh" || exit 1
-if [ -n "${SITE_CUDA_VISIBLE_DEVICES:-}" ]; then export CUDA_VISIBLE_DEVICES="$SITE_CUDA_VISIBLE_DEVICES"; fi
-if [ "$RANK" = 0 ] || [ "$WORLD_SIZE" -le 16 ]; then
-    echo "task RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT host=$(hostname) node=${SLURM_NODEID:-?}"
-fi
-case "${ENABLE_PROFILING:-0}" in ""|0|false|False) ;; *)
-    if command -v nsys >/dev/null 2>&1; then
-        _out="$LOG_DIR/${PROFILE_OUTPUT:-profile}"
-        if [ "$WORLD_SIZE" -gt 1 ]; then _out="${_out}_rank$RANK"; fi
-        export PROFILE_WITH_NSYS=1
-        exec nsys profile -o "$_out" --trace=cuda,nvtx,osrt -c cudaProfilerApi \
-            --capture-range-end=stop "$PYTHON" "$@"
-    fi
-    export TORCH_PROFILER_OUTPUT="$LOG_DIR"   # trace directory used by the training script
-esac
-exec "$PYTHON" "$@"
+source "$REPO_DIR/site/task.sh" || exit 1
+task_run "$@"
 '
 
 run_tasks() {

@@ -19,7 +19,7 @@ else
 fi
 if [ ! -f "$_site_file" ]; then
     echo "site/load.sh: no preset $_site_file (SITE=${SITE:-}); presets:" \
-        "$(cd "$_site_dir" && ls -- *.sh | grep -v -e '^load.sh$' -e '^common.sh$' | sed 's/\.sh$//' | tr '\n' ' ')" >&2
+        "$(cd "$_site_dir" && ls -- *.sh | grep -v -e '^load.sh$' -e '^common.sh$' -e '^task.sh$' | sed 's/\.sh$//' | tr '\n' ' ')" >&2
     unset _site_dir _site_file
     return 1 2>/dev/null || exit 1
 fi

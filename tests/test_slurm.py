@@ -132,7 +132,7 @@ def test_site_presets():
     assert pm["SITE"] == "perlmutter"
     assert (pm["SBATCH_CONSTRAINT"], pm["SBATCH_QOS"], pm["SBATCH_GPUS_PER_NODE"]) == \
         ("gpu", "regular", "4")
-    assert "shifter --image=nersc/pytorch:ngc-23.07-v0 --module=gpu,nccl-2.18" in \
+    assert "shifter --image=nvcr.io/nvidia/pytorch:25.12-py3 --module=gpu,nccl-plugin" in \
         pm["SITE_LAUNCHER"]
     assert pm["SLURM_CPU_BIND"] == "cores" and pm["SITE_CUDA_VISIBLE_DEVICES"] == "3,2,1,0"
     assert pm["NCCL_NET_GDR_LEVEL"] == "PHB" and pm["DATA_DIR"].startswith("/scratch/")

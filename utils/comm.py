@@ -42,6 +42,7 @@ import torch.distributed.nn  # noqa: F401, I001
 from utils.errors import ConfigError
 from utils.launch_env import LaunchEnv, resolve_launch_env
 from utils.rank_generator import RankGenerator
+from utils.startup_checks import run_startup_checks
 
 GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
 # "mp" is a name, not an axis: the group of all model-parallel axes.
@@ -201,6 +202,7 @@ def reset() -> None:
 def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int = 1,
                  w: int = 1) -> tuple[LaunchEnv, torch.device]:
     """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups."""
+    run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())

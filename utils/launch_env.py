@@ -4,6 +4,10 @@ Understood launchers, in order of precedence:
   torchrun / SLURM via export_DDP_vars.sh : RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
   Open MPI (mpirun)                        : OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK
   nothing                                  : a single process (rank 0 of 1)
+
+Rendezvous: MASTER_ADDR (default 127.0.0.1) and MASTER_PORT (default 29500). mpirun on one
+node needs neither; across nodes MASTER_ADDR is required (`mpirun -x MASTER_ADDR=...`), and
+two jobs sharing a node need different MASTER_PORTs.
 """
 
 from __future__ import annotations
@@ -64,6 +68,17 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         raise LaunchError(f"local rank {local} is inconsistent with rank {rank}")
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500
-    if world > 1 and launcher == "mpi" and "MASTER_ADDR" not in env and local != rank:
-        raise LaunchError("mpirun across nodes needs MASTER_ADDR (the first node's address)")
+    if launcher == "mpi" and "MASTER_ADDR" not in env and _mpi_spans_nodes(env, rank, local):
+        raise LaunchError("mpirun across nodes needs MASTER_ADDR, the first node's address: "
+                          "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port> ...")
     return LaunchEnv(rank, world, local, addr, port, launcher)
+
+
+def _mpi_spans_nodes(env: Mapping[str, str], rank: int, local: int) -> bool:
+    """Whether an mpirun job has ranks on more than one node. Every rank can tell from
+    OMPI_COMM_WORLD_LOCAL_SIZE < OMPI_COMM_WORLD_SIZE, so all of them stop with the same
+    error (rank 0 would otherwise wait for its peers until the rendezvous timeout)."""
+    local_size, world = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", ""), env["OMPI_COMM_WORLD_SIZE"]
+    if local_size.isdigit() and world.isdigit() and int(local_size) < int(world):
+        return True
+    return local != rank

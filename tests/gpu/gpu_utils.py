@@ -1,0 +1,146 @@
+"""Shared pieces of the GPU self-test (tests/gpu): the CUDA gate, running the train scripts
+on the GPUs, and reading what they logged and saved.
+
+Every test module starts with
+
+    from gpu_utils import require_cuda  # noqa: F401  (the fixture below)
+    pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
+
+Without a CUDA device the tests skip with the reason "needs CUDA: ..."; under
+`make test-gpu` (GPU_TESTS_REQUIRED=1) that is a failure instead, with the reason the
+start-up checks give (no GPU assigned, a CPU-only PyTorch, a bad CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_script
+
+REQUIRED = bool(os.environ.get("GPU_TESTS_REQUIRED"))
+
+# Equality between two GPU runs of the same training. A GPU does not add in a fixed order
+# (atomics in convolution and attention backward, NCCL's reduction order, split-K GEMMs), so
+# two correct runs differ by rounding: ~1e-7 relative per step in fp32, growing over steps.
+# The bounds leave room for that and stay far below what a bug changes: a wrong batch, a
+# missing all-reduce or a stale graph input moves a parameter by ~lr = 1e-3 per step.
+LOSS_RTOL = 1e-4        # printed losses have 6 decimals
+PARAM_ATOL = 1e-4       # 10 % of one Adam step at lr 1e-3
+MOMENT_RTOL = 1e-3      # Adam moments, relative to each tensor's largest entry
+# fp32 everywhere: TF32 matmuls would add ~1e-3 relative noise per product.
+FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+TIMEOUT = 600           # seconds per training subprocess (CUDA start-up, cuDNN autotuning)
+
+
+def why_no_cuda() -> str:
+    """One line: why PyTorch sees no CUDA device here."""
+    from utils.errors import LaunchError
+    from utils.startup_checks import check_gpus_visible
+
+    try:
+        check_gpus_visible()
+    except LaunchError as e:
+        return str(e)
+    build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+    return f"PyTorch {torch.__version__} ({build}) sees no CUDA device"
+
+
+@pytest.fixture(scope="session")
+def require_cuda() -> None:
+    """Session-scoped, so that fixtures which build data for GPU runs can depend on it and
+    nothing is generated on a machine that skips."""
+    if torch.cuda.is_available():
+        return
+    reason = f"needs CUDA: {why_no_cuda()}"
+    if REQUIRED:
+        pytest.fail(f"{reason} (GPU_TESTS_REQUIRED is set: run `make test-gpu` on a GPU node)")
+    pytest.skip(reason)
+
+
+def need_gpus(n: int) -> int:
+    """The number of visible GPUs; skips (never fails: it is the node) when fewer than n."""
+    have = torch.cuda.device_count()
+    if have < n:
+        pytest.skip(f"needs {n} GPUs, this node shows {have}")
+    return have
+
+
+def need_module(name: str, install: str) -> None:
+    """Skip without `name`; fail under GPU_TESTS_REQUIRED (the tutorial needs it)."""
+    try:
+        __import__(name)
+    except ImportError as e:
+        reason = f"needs {name} ({e}): {install}"
+        if REQUIRED:
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def gpu_run(script: str, args: Sequence[str], data_dir: Path, log_dir: Path,
+            nproc: int | None = None, env: dict[str, str] | None = None):
+    """Run a train script on the GPU(s) (torchrun with `nproc`); fails the test unless it
+    finished, on a GPU, without a traceback."""
+    run = run_script(script, list(args), data_dir=data_dir, log_dir=log_dir, nproc=nproc,
+                     env_extra=env, timeout=TIMEOUT)
+    out = run.output
+    assert run.returncode == 0, f"{script}: exit {run.returncode}\n{out[-5000:]}"
+    assert "Traceback" not in out, out[-5000:]
+    assert "Using GPU" in run.stdout, f"{script} did not run on a GPU\n{run.stdout[-3000:]}"
+    return run
+
+
+def losses(run) -> dict[str, list[float]]:
+    """The untrained model's validation loss, then train and validation loss per epoch."""
+    def values(label: str) -> list[float]:
+        return [float(v) for v in re.findall(rf"{label}=([-+0-9.eEnaif]+)", run.stdout)]
+
+    return {"initial": values("Initial val loss"), "train": values("Avg train loss"),
+            "val": values("Avg val loss")}
+
+
+def assert_finite_and_learning(run) -> None:
+    got = losses(run)
+    every = got["initial"] + got["train"] + got["val"]
+    assert every and all(math.isfinite(v) for v in every), got
+    assert got["val"][-1] < got["initial"][0], f"validation loss did not go down: {got}"
+
+
+def checkpoint(run, config: str, world_size: int, iters: int) -> dict:
+    path = (run.log_dir / config / f"{world_size}GPU" / "00" / "checkpoints"
+            / f"ckpt_{iters:08d}.pt")
+    assert path.is_file(), f"no checkpoint {path}"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same_training(run, ref, config: str, world_sizes: tuple[int, int],
+                         iters: int) -> None:
+    """Same logged losses, final parameters and Adam moments as `ref`, within the bounds
+    at the top of this file."""
+    got, want = losses(run), losses(ref)
+    assert want["train"] and len(got["train"]) == len(want["train"]), (got, want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
+    a = checkpoint(run, config, world_sizes[0], iters)
+    b = checkpoint(ref, config, world_sizes[1], iters)
+    assert a["model"].keys() == b["model"].keys()
+    diff = max((a["model"][k] - b["model"][k]).abs().max().item() for k in b["model"])
+    assert diff <= PARAM_ATOL, f"parameters differ by up to {diff:.3g}"
+    for name, state in b["optimizer"]["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            want_m, got_m = state[moment], a["optimizer"]["state"][name][moment]
+            scale = want_m.abs().max().item()
+            err = (got_m.float() - want_m.float()).abs().max().item()
+            assert err <= MOMENT_RTOL * scale, (name, moment, err, scale)
+
+
+def peak_memory_gib(run, iters: int) -> float:
+    """What the script logs at the end: torch.cuda.max_memory_allocated, in GiB."""
+    m = re.search(rf"Finished {iters} iterations; peak memory ([0-9.]+) GB", run.stdout)
+    assert m, f"no peak memory line\n{run.stdout[-3000:]}"
+    return float(m.group(1))

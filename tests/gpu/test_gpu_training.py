@@ -1,0 +1,74 @@
+"""GPU self-test, training: the train scripts run as subprocesses on this node's GPUs and
+their logged losses and saved checkpoints are compared (bounds in gpu_utils.py).
+
+  - train_mp_graphs.py (step captured in a CUDA graph, then replayed) trains like
+    train_mp.py's eager step: same seed, same tiny config, fp32;
+  - train.py with DDP over NCCL on every visible GPU trains like one GPU;
+  - fp16 (with the GradScaler) and bf16 autocast train without NaN/inf, and learn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from gpu_utils import (
+    FP32_ENV,
+    assert_finite_and_learning,
+    assert_same_training,
+    gpu_run,
+    losses,
+    need_gpus,
+    require_cuda,  # noqa: F401  (fixture used through pytestmark)
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
+
+TINY_TRAIN_SAMPLES = 32  # the tiny config's limit_nsamples
+ITERS = 16               # two epochs of global batch 4
+
+
+def tiny(iters: int = ITERS, *flags: str) -> list[str]:
+    return ["--config=tiny", f"--num_iters={iters}", *flags]
+
+
+def test_cuda_graph_replays_train_like_eager_steps(tiny_data, tmp_path_factory):
+    """Capture after 3 eager warm-up steps, then 13 replays. A graph that replayed stale
+    inputs, kept accumulating gradients, or froze the learning rate would leave the eager
+    curve within a step or two."""
+    eager = gpu_run("train_mp.py", tiny(), tiny_data, tmp_path_factory.mktemp("eager"),
+                    env=FP32_ENV)
+    graphs = gpu_run("train_mp_graphs.py", tiny(ITERS, "--graph_warmup=3"), tiny_data,
+                     tmp_path_factory.mktemp("graphs"), env=FP32_ENV)
+    assert "Capturing the training step in a CUDA graph after 3 warm-up steps" in \
+        graphs.output, graphs.output[-3000:]
+    assert "CUDA graphs need a GPU" not in graphs.output
+    assert_same_training(graphs, eager, "tiny", (1, 1), ITERS)
+
+
+def test_nccl_ddp_on_every_visible_gpu_trains_like_one_gpu(tiny_data, tmp_path_factory):
+    n = need_gpus(2)
+    if n > TINY_TRAIN_SAMPLES // 2:
+        pytest.skip(f"{n} GPUs: more than the tiny data set can feed two steps per epoch")
+    batch = n * math.ceil(4 / n)  # the global batch: divisible by n, at least 4
+    iters = 2 * (TINY_TRAIN_SAMPLES // batch)  # two epochs
+    one = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch}"), tiny_data,
+                  tmp_path_factory.mktemp("one_gpu"), env=FP32_ENV)
+    ddp = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch // n}"), tiny_data,
+                  tmp_path_factory.mktemp("ddp"), nproc=n, env=FP32_ENV)
+    assert f"world size {n} (env launcher), global batch {batch}, local batch {batch // n}" \
+        in ddp.stdout, ddp.stdout[-3000:]
+    assert_same_training(ddp, one, "tiny", (n, 1), iters)
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_mixed_precision_trains_without_nan(tiny_data, tmp_path, amp):
+    import torch
+
+    if amp == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip(f"{torch.cuda.get_device_name()} has no bf16")
+    run = gpu_run("train.py", tiny(32, f"--amp_mode={amp}"), tiny_data, tmp_path)
+    assert f"amp_mode: {amp}" in run.stdout
+    assert "NaN/inf" not in run.output
+    assert_finite_and_learning(run)
+    assert len(losses(run)["train"]) == 4

@@ -1,0 +1,70 @@
+"""The README's model-parallel GPU commands keep each GPU's load within the layout known to fit
+a 40 GB A100: the `mp` model (embed 1024) with tp 4 and 16 samples of 4050 tokens per GPU
+(NERSC's tutorial measured ~33 GB for it; tests/gpu/test_gpu_memory.py measures ours on a GPU
+node). One GPU holds local batch x tokens per cp rank / tp of the activations; every
+`submit_pm_mp.sh` command in README.md and site/README.md must stay at or below that reference.
+`mp` on one node (dp 1: all 64 samples on every GPU) is four times over it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from conftest import CONFIG_FILE, REPO
+
+from utils.YParams import YParams
+
+GPUS_PER_NODE = 4          # submit_pm_mp.sh: 4 tasks per node (Perlmutter)
+REFERENCE_LOAD = 16 * 4050 / 4  # samples x tokens / tp of the layout that fits 40 GB
+
+
+def mp_commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in ("README.md", "site/README.md"):
+        for line in (REPO / doc).read_text().splitlines():
+            if "sbatch" in line and "submit_pm_mp.sh" in line and "--config=" in line:
+                found.append((doc, line.split("#", 1)[0].strip()))
+    return found
+
+
+def per_gpu_load(command: str) -> tuple[float, str]:
+    words = shlex.split(command)
+    nodes, flags = 1, {}
+    for i, w in enumerate(words):
+        if w in ("--nodes", "-N"):
+            nodes = int(words[i + 1])
+        elif w.startswith("--nodes="):
+            nodes = int(w.split("=", 1)[1])
+        elif w.startswith("--") and "=" in w:
+            key, value = w[2:].split("=", 1)
+            flags[key] = value
+    p = YParams(CONFIG_FILE, flags["config"])
+    tp = int(flags.get("tp", flags.get("row_parallel_size", p.tp)))
+    cp = int(flags.get("cp", p.cp))
+    gpus = nodes * GPUS_PER_NODE
+    dp = gpus // (tp * cp)
+    local = p.global_batch_size / dp
+    h, w = p.img_size
+    tokens = (h // p.patch_size) * (w // p.patch_size)
+    note = (f"{gpus} GPUs = tp {tp} x cp {cp} x dp {dp}, {local:g} samples x "
+            f"{tokens / cp:.0f} tokens per GPU, embed {p.embed_dim}")
+    return local * (tokens / cp) / tp, note
+
+
+def test_the_readmes_have_model_parallel_gpu_commands():
+    assert len(mp_commands()) >= 4
+
+
+@pytest.mark.parametrize("doc, command", mp_commands())
+def test_model_parallel_gpu_command_fits_the_measured_layout(doc, command):
+    load, note = per_gpu_load(command)
+    assert load <= REFERENCE_LOAD, f"{doc}: `{command}` puts {note} on a GPU: " \
+        f"{load / REFERENCE_LOAD:.1f}x the layout known to fit 40 GB"
+
+
+def test_the_old_one_node_graphs_command_is_what_this_catches():
+    load, _ = per_gpu_load("sbatch --nodes 1 submit_pm_mp.sh --config=mp --tp=4")
+    assert load == 4 * REFERENCE_LOAD
+    assert re.search(r"--config=mp_bs16 --tp=4", (REPO / "README.md").read_text())
