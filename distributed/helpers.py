@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from utils import comm
 
-MP_GROUPS = ("tp", "cp")
+MP_GROUPS = ("tp", "cp", "h", "w")
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -154,14 +154,15 @@ def check_annotations(model: nn.Module) -> None:
 
 
 def sync_shared_gradients(model: nn.Module) -> None:
-    """Sum the partial gradients of replicated parameters over their partial_grad_mp groups.
+    """Sum the partial gradients of replicated parameters over their partial_grad_mp groups
+    (cp for the ViT, h and w for the spatially parallel AFNO).
 
     The one place where model-parallel gradient reductions happen. Call it after
     `loss.backward()` and before `optimizer.step()`. It commutes with DDP's average over dp
     (a sum over cp and a mean over dp are both linear), so it can run after DDP's backward.
     A no-op on a model that is not model-parallel; an error if any parameter is unannotated.
     """
-    if comm.get_size("tp-cp") == 1:
+    if comm.get_size("mp") == 1:
         return
     check_annotations(model)
     buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
@@ -184,7 +185,7 @@ def sync_shared_params(model: nn.Module) -> None:
     Call once after building the model if ranks may have initialised replicas differently
     (e.g. different seeds); DDP does the same over dp when it wraps the model.
     """
-    if comm.get_size("tp-cp") == 1:
+    if comm.get_size("mp") == 1:
         return
     check_annotations(model)
     for group_name in MP_GROUPS:
@@ -207,6 +208,9 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             continue
         world, rank, blocks = comm.get_size(group_name), comm.get_rank(group_name), \
             param.shard_blocks
+        if blocks == 1:  # one block: uneven splits allowed (the spatial tiles of pos_embed)
+            out = out.split(compute_split_shapes(out.shape[dim], world), dim=dim)[rank]
+            continue
         if out.shape[dim] % (blocks * world):
             raise ValueError(f"dim {dim} of size {out.shape[dim]} does not split into "
                              f"{blocks} blocks x {world} {group_name} ranks")
@@ -225,6 +229,9 @@ def gather_tensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             continue
         world, blocks = comm.get_size(group_name), param.shard_blocks
         gathered = all_gather_along_dim(out, dim, group_name)
+        if blocks == 1:  # already in serial order (and possibly uneven)
+            out = gathered
+            continue
         # rank-major [r0: b0 b1 b2 | r1: b0 b1 b2] -> block-major [b0: r0 r1 | b1: r0 r1 | ...]
         ranks = gathered.chunk(world, dim=dim)
         parts = [ranks[r].chunk(blocks, dim=dim)[b] for b in range(blocks) for r in range(world)]

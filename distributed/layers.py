@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed.helpers import (
+    MP_GROUPS,
     annotate,
     compute_split_shapes,
     gather_tensor,
@@ -67,7 +68,7 @@ class DistributedMatmul(nn.Module):
             raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
         self.parallel, self.group_name = parallel, group_name
         world = comm.get_size(group_name)
-        shared = [g for g in ("tp", "cp") if g != group_name]
+        shared = [g for g in MP_GROUPS if g != group_name]  # h, w: size 1 for the ViT
         if parallel == "column":
             out_local = blocks * _divide(out_features // blocks, world, "output features")
             self.weight = nn.Parameter(torch.empty(out_local, in_features))
@@ -83,7 +84,7 @@ class DistributedMatmul(nn.Module):
             annotate(self.bias, shared, [seq_group], [group_name], blocks)
         else:  # whole on every rank, added once after the reduction
             self.bias = nn.Parameter(torch.zeros(out_features))
-            annotate(self.bias, ["tp", "cp"], [seq_group])
+            annotate(self.bias, MP_GROUPS, [seq_group])
         gen = _shard_generator(group_name, self.weight.device)
         nn.init.trunc_normal_(self.weight, std=0.02, generator=gen)
 
@@ -164,7 +165,7 @@ class DistributedLayerNorm(nn.LayerNorm):
     def __init__(self, dim: int, seq_group: str = "cp"):
         super().__init__(dim)
         for p in (self.weight, self.bias):
-            annotate(p, ["tp", "cp"], [seq_group])
+            annotate(p, MP_GROUPS, [seq_group])
 
 
 class DistributedLayers:
@@ -193,7 +194,7 @@ class DistributedLayers:
         (patch embedding, pos_embed, head): their gradients are complete everywhere."""
         for part in parts:
             for p in part.parameters() if isinstance(part, nn.Module) else [part]:
-                annotate(p, ["tp", "cp"])
+                annotate(p, MP_GROUPS)
 
 
 # ------------------------------------------------------------- serial <-> distributed weights

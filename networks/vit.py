@@ -189,6 +189,7 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
                     from utils import comm
 
                     shape[dim] *= comm.get_size(group)
+            shape = list(getattr(p, "full_shape", shape))  # set where shards are uneven
             if isinstance(module, nn.LayerNorm):
                 full = torch.ones(shape) if pname == "weight" else torch.zeros(shape)
             elif pname == "bias":
