@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import CONFIG_FILE
 from dist_utils import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,13 +37,14 @@ from distributed.spatial_metrics import l2_loss as spatial_l2_loss
 from networks.afno import (
     AFNONet,
     afno_from_params,
+    check_afno_params,
     count_parameters,
     flops_per_sample,
     training_flops_per_sample,
 )
 from utils import comm
 from utils.loss import l2_loss
-from utils.YParams import ConfigError
+from utils.YParams import ConfigError, YParams, load_yaml
 
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 # 28 x 36 pixels, patch 4: a 7 x 9 token grid, uneven over 2 ranks both ways
@@ -150,6 +152,41 @@ def test_bad_afno_settings_are_one_line_config_errors() -> None:
         afno_from_params(_params(hard_thresholding_fraction=1.5))
     with pytest.raises(ConfigError, match="not a multiple of patch_size"):
         afno_from_params(_params(img_size=[30, 36]))
+
+
+# ------------------------------------------------------------------------- configs
+
+def test_cpu_afno_config_is_a_4_05_M_parameter_3_13_GFLOP_model() -> None:
+    comm.reset()
+    p = YParams(CONFIG_FILE, "cpu_afno", environ={})
+    assert (p.model, p.img_size, p.patch_size, p.embed_dim, p.depth, p.num_blocks) == \
+        ("afno", [64, 128], 8, 256, 6, 8)
+    model = afno_from_params(p)
+    assert model.grid == (8, 16)
+    n = sum(q.numel() for q in model.parameters())
+    assert n == count_parameters(256, 6, 8, 20, 20, (8, 16), 8) == 4_052_480
+    flops = training_flops_per_sample((64, 128), 8, 20, 20, 256, 6, 8)
+    assert round(flops / 1e9, 2) == 3.13
+
+
+def test_afno_sections_are_afno_models_and_vit_sections_stay_vit() -> None:
+    for name in load_yaml(CONFIG_FILE):
+        p = YParams(CONFIG_FILE, name, environ={})
+        assert p.model == ("afno" if "afno" in name else "vit"), name
+        assert (p.h_parallel_size, p.w_parallel_size) == (1, 1), name
+        if p.model == "afno":
+            check_afno_params(p)
+    tiny = YParams(CONFIG_FILE, "tiny_afno", environ={})
+    assert sum(q.numel() for q in afno_from_params(tiny).parameters()) < 100_000
+
+
+def test_afno_bsN_opt_sections_follow_the_vits_sqrt_lr_scaling() -> None:
+    for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        vit = YParams(CONFIG_FILE, f"cpu_bs{n}_opt", environ={})
+        for name in (f"afno_bs{n}_opt", f"cpu_afno_bs{n}_opt"):
+            p = YParams(CONFIG_FILE, name, environ={})
+            assert (p.global_batch_size, p.lr, p.amp_mode != "none") == \
+                (vit.global_batch_size, vit.lr, True), name
 
 
 # ------------------------------------------------------------------ spatially parallel
