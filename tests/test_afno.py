@@ -170,23 +170,24 @@ def test_cpu_afno_config_is_a_4_05_M_parameter_3_13_GFLOP_model() -> None:
 
 
 def test_afno_sections_are_afno_models_and_vit_sections_stay_vit() -> None:
-    for name in load_yaml(CONFIG_FILE):
-        p = YParams(CONFIG_FILE, name, environ={})
-        assert p.model == ("afno" if "afno" in name else "vit"), name
-        assert (p.h_parallel_size, p.w_parallel_size) == (1, 1), name
-        if p.model == "afno":
-            check_afno_params(p)
+    sections = load_yaml(CONFIG_FILE)  # merge keys resolved
+    for name, section in sections.items():
+        assert section["model"] == ("afno" if "afno" in name else "vit"), name
+        assert (section["h_parallel_size"], section["w_parallel_size"]) == (1, 1), name
+        if section["model"] == "afno":
+            check_afno_params(SimpleNamespace(**section))
     tiny = YParams(CONFIG_FILE, "tiny_afno", environ={})
     assert sum(q.numel() for q in afno_from_params(tiny).parameters()) < 100_000
 
 
 def test_afno_bsN_opt_sections_follow_the_vits_sqrt_lr_scaling() -> None:
+    sections = load_yaml(CONFIG_FILE)
     for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
-        vit = YParams(CONFIG_FILE, f"cpu_bs{n}_opt", environ={})
+        vit = sections[f"cpu_bs{n}_opt"]
         for name in (f"afno_bs{n}_opt", f"cpu_afno_bs{n}_opt"):
-            p = YParams(CONFIG_FILE, name, environ={})
-            assert (p.global_batch_size, p.lr, p.amp_mode != "none") == \
-                (vit.global_batch_size, vit.lr, True), name
+            p = sections[name]
+            assert (p["global_batch_size"], p["lr"], p["amp_mode"] != "none") == \
+                (vit["global_batch_size"], vit["lr"], True), name
 
 
 # ------------------------------------------------------------------ spatially parallel
