@@ -153,7 +153,8 @@ def check_annotations(model: nn.Module) -> None:
 
 
 def sync_shared_gradients(model: nn.Module) -> None:
-    """Sum the partial gradients of replicated parameters over their partial_grad_mp groups.
+    """Sum the partial gradients of replicated parameters over their partial_grad_mp groups
+    (cp for the ViT, h and w for the spatially parallel AFNO).
 
     The one place where model-parallel gradient reductions happen. Call it after
     `loss.backward()` and before `optimizer.step()`. It commutes with DDP's average over dp
@@ -190,6 +191,9 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             continue
         world, rank, blocks = comm.get_size(group_name), comm.get_rank(group_name), \
             param.shard_blocks
+        if blocks == 1:  # one block: uneven splits allowed (the spatial tiles of pos_embed)
+            out = out.split(compute_split_shapes(out.shape[dim], world), dim=dim)[rank]
+            continue
         if out.shape[dim] % (blocks * world):
             raise ValueError(f"dim {dim} of size {out.shape[dim]} does not split into "
                              f"{blocks} blocks x {world} {group_name} ranks")
@@ -208,6 +212,9 @@ def gather_tensor(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             continue
         world, blocks = comm.get_size(group_name), param.shard_blocks
         gathered = all_gather_along_dim(out, dim, group_name)
+        if blocks == 1:  # already in serial order (and possibly uneven)
+            out = gathered
+            continue
         # rank-major [r0: b0 b1 b2 | r1: b0 b1 b2] -> block-major [b0: r0 r1 | b1: r0 r1 | ...]
         ranks = gathered.chunk(world, dim=dim)
         parts = [ranks[r].chunk(blocks, dim=dim)[b] for b in range(blocks) for r in range(world)]

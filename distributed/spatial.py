@@ -1,0 +1,91 @@
+"""Spatial parallelism for the AFNO model: the (h, w) token grid split into tiles over the
+"h" (rows, latitude) and "w" (columns, longitude) process groups, uneven splits allowed.
+
+Rank (i, j) holds token rows chunk i and columns chunk j (`compute_split_shapes`), and the
+pixels under them: patches do not overlap, so the patch embedding, the LayerNorms, the
+channel MLPs and the head run on the tile as they are. The position embedding is sharded:
+each rank holds its tile's slice. Only the spectral filter talks to other ranks, through
+the distributed FFT (distributed.fft).
+
+Every other parameter is replicated on the mesh and sees only its tile's tokens, so its
+gradient there is a partial sum: annotated `partial_grad_mp = [h, w]`, it is completed by
+`distributed.helpers.sync_shared_gradients` (the sum the serial model computes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distributed.fft import RealFFT2, balanced_split, kept_modes
+from distributed.helpers import (
+    all_gather_along_dim,
+    annotate,
+    compute_split_shapes,
+    shard_tensor,
+)
+from utils import comm
+
+SPATIAL_GROUPS = ("h", "w")
+
+
+def tile_bounds(grid: tuple[int, int], patch_size: int = 1) -> tuple[slice, slice]:
+    """(rows, columns) of this rank's tile, in pixels (`patch_size` per token) of the
+    global field; with patch_size 1, in tokens. rows.start is the global row offset that
+    selects this tile's latitudes."""
+    bounds = []
+    for axis, n in zip(SPATIAL_GROUPS, grid, strict=True):
+        sizes = compute_split_shapes(n, comm.get_size(axis))
+        start = sum(sizes[: comm.get_rank(axis)])
+        bounds.append(slice(start * patch_size, (start + sizes[comm.get_rank(axis)]) * patch_size))
+    return bounds[0], bounds[1]
+
+
+def scatter_image(x: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """This rank's tile of a full field (..., H, W) (every rank loaded the whole sample);
+    rows and columns past grid * patch_size are cropped, as the serial model does."""
+    rows, cols = tile_bounds(grid, patch_size)
+    return x[..., rows, cols].contiguous()
+
+
+@torch.no_grad()
+def gather_image(tile: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """The full field (..., H, W) from every rank's tile (validation, plots; not
+    differentiable). Collective over h and w: call it on every rank of the mesh."""
+    rows = [n * patch_size for n in compute_split_shapes(grid[0], comm.get_size("h"))]
+    cols = [n * patch_size for n in compute_split_shapes(grid[1], comm.get_size("w"))]
+    out = all_gather_along_dim(tile, -2, "h", rows)
+    return all_gather_along_dim(out, -1, "w", cols)
+
+
+class SpatialLayers:
+    """Drop-in for `networks.afno.SerialGrid`: tiles of the token grid on the h x w mesh."""
+
+    def tile(self, grid: tuple[int, int]) -> tuple[int, int]:
+        rows, cols = tile_bounds(grid)
+        return rows.stop - rows.start, cols.stop - cols.start
+
+    def spectral_transform(self, grid: tuple[int, int], fraction: float, num_blocks: int,
+                           block_size: int) -> RealFFT2:
+        """The distributed FFT; the spectrum's channels split over w in whole blocks (the
+        spectral MLP is block-diagonal, so each rank applies its blocks' weights)."""
+        blocks = balanced_split(num_blocks, comm.get_size("w"))
+        return RealFFT2(kept_modes(grid, fraction), num_blocks * block_size,
+                        [n * block_size for n in blocks], groups=SPATIAL_GROUPS)
+
+    def annotate(self, model: nn.Module) -> None:
+        """pos_embed (1, h, w, D) is sharded over h and w; every other parameter is
+        replicated, with a partial gradient over h and w (its tile's tokens only)."""
+        for p in model.parameters():
+            if p is model.pos_embed:
+                annotate(p, sharded_dims=[None, "h", "w", None])
+                p.full_shape = (1, *model.grid, p.shape[-1])  # the split may be uneven
+            else:
+                annotate(p, partial_grad=SPATIAL_GROUPS)
+
+    # Initialisation draws every parameter's full serial tensor and keeps this rank's part.
+    def full_shape(self, param: torch.Tensor) -> list[int]:
+        return list(getattr(param, "full_shape", param.shape))
+
+    def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(full, param)

@@ -1,0 +1,74 @@
+"""Tiles of a field over the h x w mesh (distributed.spatial) and the loss and skill scores
+computed from tiles (distributed.spatial_metrics) against the serial ones on the whole
+field: the L2 loss and its gradient, latitude-weighted RMSE and ACC.
+
+Tolerance: max |err| <= 1e-5 x max |serial|: the tiles' sums add the same terms in another
+order (fp32 round-off ~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from distributed.spatial import gather_image, scatter_image, tile_bounds
+from distributed.spatial_metrics import l2_loss, weighted_acc_channels, weighted_rmse_channels
+from utils import comm
+from utils.evaluation import l2_loss as serial_l2_loss
+from utils.evaluation import weighted_acc_channels as serial_acc
+from utils.evaluation import weighted_rmse_channels as serial_rmse
+
+GRID, PATCH = (7, 9), 4  # 28 x 36 pixels; uneven over 2 and 3 ranks
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, what
+    err = (actual - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item(), f"{what}: max error {err:.3g}"
+
+
+def _fields() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 3, GRID[0] * PATCH, GRID[1] * PATCH)
+    target = torch.randn(shape, generator=g)
+    return target + 0.3 * torch.randn(shape, generator=g), target, torch.randn(shape[1:],
+                                                                                generator=g)
+
+
+def _run(h: int, w: int) -> None:
+    comm.init(h=h, w=w)
+    pred, target, clim = _fields()
+    where = f"h={h} w={w}"
+    tile = lambda t: scatter_image(t, GRID, PATCH)  # noqa: E731
+    rows, cols = tile_bounds(GRID, PATCH)
+    assert torch.equal(tile(pred), pred[..., rows, cols])
+    assert torch.equal(gather_image(tile(pred), GRID, PATCH), pred), f"{where} round trip"
+
+    pred_full = pred.clone().requires_grad_()
+    serial_l2_loss(pred_full, target).backward()
+    pred_tile = tile(pred).requires_grad_()
+    loss = l2_loss(pred_tile, tile(target))
+    loss.backward()
+    _close(loss.detach(), serial_l2_loss(pred, target), f"{where} l2 loss")
+    _close(pred_tile.grad, tile(pred_full.grad), f"{where} l2 loss gradient")
+
+    num_lat, pixels = pred.shape[-2], pred.shape[-2] * pred.shape[-1]
+    _close(weighted_rmse_channels(tile(pred), tile(target), num_lat, rows, pixels),
+           serial_rmse(pred, target), f"{where} weighted RMSE")
+    _close(weighted_acc_channels(tile(pred), tile(target), tile(clim), num_lat, rows),
+           serial_acc(pred, target, clim), f"{where} weighted ACC")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("h,w", [(2, 2), (3, 1)], ids=["h2xw2", "h3"])
+def test_loss_and_metrics_from_tiles_equal_the_serial_ones(h: int, w: int) -> None:
+    run_distributed(_run, h * w, h, w)
+
+
+def test_one_rank_tile_is_the_whole_field() -> None:
+    comm.reset()
+    pred, target, _ = _fields()
+    assert tile_bounds(GRID, PATCH) == (slice(0, 28), slice(0, 36))
+    assert torch.equal(scatter_image(pred, GRID, PATCH), pred)
+    _close(l2_loss(pred, target), serial_l2_loss(pred, target), "l2 loss")
