@@ -120,6 +120,9 @@ class DataKeys(Keys):
 
     data_loader_config: Literal["pytorch", "dali"] = Field("pytorch", description="data loader")
     num_data_workers: NonNegInt = Field(0, description="loader worker processes per rank")
+    prefetch_thread: bool = Field(
+        False, description="PyTorch loader: read the next batches in a thread of the "
+        "training process (small machines: no worker process competing for the cores)")
     data_dir: PathStr = Field(description="data root (DATA_DIR replaces it in every path below)")
     train_data_path: PathStr = Field(description="directory of the training years' .h5 files")
     valid_data_path: PathStr = Field(description="directory of the validation years")

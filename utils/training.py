@@ -20,7 +20,7 @@ from utils import comm
 from utils.data.loader import get_loader
 from utils.errors import ConfigError, DataError
 from utils.evaluation import Normaliser, l2_loss
-from utils.precision import autocast, grad_scaler
+from utils.precision import autocast, grad_scaler, settle_amp_mode
 from utils.run.checkpoint import Checkpointer, resolve_resume
 from utils.run.guard import RunGuard
 from utils.run.preemption import StopSignal
@@ -140,6 +140,7 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
     """Loaders, optimizer, schedule, loss scaling, checkpoints (resumed if asked), profiler
     and logs for `model` (already on `device`, wrapped by `wrap_model`)."""
     exp_dir = experiment_dir(params, comm.get_world_size(), device)
+    settle_amp_mode(params, device)  # 'auto' -> this hardware's choice; emulated? say so
     # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (utils/run/preemption.py).
     # Installed before the data loaders fork their workers, which inherit the handler.
     stop = StopSignal()

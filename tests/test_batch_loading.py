@@ -1,0 +1,176 @@
+"""Batch-at-once reading (utils/data/batch_read.py) and the prefetch thread
+(utils/data/prefetch.py): the same batches as one sample at a time, and resume stays exact.
+
+Reference: `ERA5Dataset.__getitem__` (two HDF5 reads and numpy normalisation per sample),
+stacked. The DALI loader is compared with the batched PyTorch loader in
+test_data_loader_dali.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_SAMPLES_PER_YEAR, run_script
+from test_resume import (
+    TIMEOUT,
+    TINY_ARGS,
+    assert_finished,
+    assert_same_state,
+    epoch_losses,
+    exp_dir,
+    final_checkpoint,
+    reference_run,
+)
+
+from utils.data.batch_read import read_batch, runs
+from utils.data.loader import ERA5Dataset, get_data_loader, get_loader
+from utils.data.prefetch import PrefetchLoader
+from utils.errors import DataError
+
+N = TINY_SAMPLES_PER_YEAR
+
+
+def per_sample(ds: ERA5Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [ds[i] for i in indices]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def assert_same_batch(got, expected) -> None:
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype == torch.float32 and g.is_contiguous()
+        assert torch.equal(g, e)
+
+
+@pytest.fixture
+def dataset(tiny_params) -> ERA5Dataset:
+    tiny_params.limit_nsamples = None
+    return ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
+
+
+# ----------------------------------------------------------------- reading a batch
+
+
+@pytest.mark.parametrize("dt", [1, 3])
+def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt):
+    tiny_params.dt, tiny_params.limit_nsamples = dt, None
+    ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
+    indices = np.random.default_rng(dt).permutation(len(ds))[:7].tolist()
+    assert_same_batch(read_batch(ds, indices), per_sample(ds, indices))
+
+
+@pytest.mark.parametrize("dt", [1, 3])
+def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt):
+    tiny_params.dt, tiny_params.limit_nsamples = dt, None
+    ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
+    per_file = N - dt
+    indices = list(range(per_file - 2, per_file + 3))  # the last 2 of year 1, 3 of year 2
+    assert [(r.file, r.start, r.n, r.row) for r in runs(ds, indices)] == [
+        (0, per_file - 2, 2, 0), (1, 0, 3, 2)]
+    assert_same_batch(read_batch(ds, indices), per_sample(ds, indices))
+    # runs shorter than dt (two hyperslabs), longer (one), mixed with single samples
+    mixed = [5, 0, 1, 2, 3, 4, 11, 12]
+    assert_same_batch(read_batch(ds, mixed), per_sample(ds, mixed))
+
+
+def test_cropped_img_size_reads_the_top_left_corner(tiny_params):
+    tiny_params.img_size = [8, 16]
+    ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
+    inp, tar = read_batch(ds, [3, 1, 2])
+    assert inp.shape == tar.shape == (3, 20, 8, 16)
+    assert_same_batch((inp, tar), per_sample(ds, [3, 1, 2]))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_data_loader_batches_equal_per_sample_reads(tiny_params, train):
+    loader, ds, sampler = get_data_loader(tiny_params, tiny_params.train_data_path if train
+                                          else tiny_params.valid_data_path, train=train)
+    sampler.set_epoch(3)
+    order = list(sampler)
+    B = tiny_params.local_batch_size
+    batches = list(loader)
+    assert len(batches) == len(loader) > 1
+    for b, batch in enumerate(batches):
+        assert_same_batch(batch, per_sample(ds, order[b * B:(b + 1) * B]))
+
+
+# ----------------------------------------------------------------- the prefetch thread
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "batch prefetch"]
+
+
+def test_prefetch_thread_yields_the_loaders_batches_in_order(tiny_params):
+    tiny_params.prefetch_thread = True
+    loader, _, sampler = get_loader(tiny_params, tiny_params.train_data_path, train=True)
+    plain, _, plain_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
+                                              train=True)
+    assert isinstance(loader, PrefetchLoader) and len(loader) == len(plain)
+    assert loader.batch_size == plain.batch_size  # attributes pass through
+    per_epoch = len(plain)
+    for epoch, skip in ((1, 0), (2, 1)):  # a mid-epoch start as a resume makes it
+        sampler.set_epoch(epoch, skip_batches=skip)
+        plain_sampler.set_epoch(epoch, skip_batches=skip)
+        got, expected = list(loader), list(plain)
+        assert len(got) == len(expected) == per_epoch - skip
+        for g, e in zip(got, expected, strict=True):
+            assert_same_batch(g, e)
+    assert not prefetch_threads()
+
+
+def test_leaving_the_loop_early_stops_the_thread(tiny_params):
+    loader = PrefetchLoader(get_data_loader(tiny_params, tiny_params.train_data_path,
+                                            train=True)[0], depth=1)
+    for _ in loader:
+        assert len(prefetch_threads()) == 1
+        break
+    assert not prefetch_threads()
+
+
+def test_a_read_error_in_the_thread_reaches_the_training_loop(tiny_params, dataset):
+    class Broken:
+        def __len__(self) -> int:
+            return 2
+
+        def __iter__(self):
+            yield dataset[0]
+            raise DataError("sample 1 cannot be read")
+
+    got = []
+    with pytest.raises(DataError, match="sample 1 cannot be read"):
+        for batch in PrefetchLoader(Broken()):
+            got.append(batch)
+    assert len(got) == 1 and not prefetch_threads()
+
+
+# ----------------------------------------------------------------- training with it
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_data, tmp_path_factory):
+    return reference_run(tiny_data, tmp_path_factory, "train.py")
+
+
+@pytest.mark.e2e
+def test_prefetch_thread_trains_and_resumes_exactly_like_the_plain_loader(
+        plain_reference, tiny_data, tmp_path_factory):
+    """The same run with the thread: bitwise the plain run's final state; then resumed
+    mid-epoch (iteration 12 of 16, epoch 2 of 8-batch epochs) from its own checkpoint."""
+    args = [*TINY_ARGS, "--prefetch_thread"]
+    run = run_script("train.py", args, data_dir=tiny_data, timeout=TIMEOUT,
+                     log_dir=tmp_path_factory.mktemp("prefetch"))
+    assert_finished(run)
+    assert_same_state(final_checkpoint(exp_dir(run)), final_checkpoint(exp_dir(plain_reference)))
+    assert epoch_losses(run.stdout) == epoch_losses(plain_reference.stdout)
+
+    ckpt12 = exp_dir(run) / "checkpoints" / "ckpt_00000012.pt"
+    resumed = run_script("train.py", [*args[:-2], f"--resume={ckpt12}", "--prefetch_thread"],
+                         data_dir=tiny_data, timeout=TIMEOUT,
+                         log_dir=tmp_path_factory.mktemp("prefetch_resumed"))
+    assert_finished(resumed)
+    assert "iteration 12, epoch 2, 4 batches into it" in resumed.stdout
+    assert_same_state(final_checkpoint(exp_dir(resumed)),
+                      final_checkpoint(exp_dir(plain_reference)))
