@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from utils.errors import ConfigError
+
 ENV_OVERRIDE = "CPU_NATIVE_PRECISION"
 REDUCED = ("bf16", "fp16")
 # x86 feature flags (names as torch._C._cpu._get_cpu_capability reports them) that make a
@@ -57,14 +59,14 @@ def cpu_features() -> dict[str, bool]:
 
 
 def parse_override(value: str) -> frozenset[str]:
-    """`CPU_NATIVE_PRECISION`'s value -> the set of native precisions; ValueError if bad."""
+    """`CPU_NATIVE_PRECISION`'s value -> the set of native precisions (ConfigError if bad)."""
     names = {v.strip().lower() for v in value.split(",") if v.strip()}
     if names == {"none"}:
         return frozenset()
     bad = names - set(REDUCED)
     if bad or not names:
-        raise ValueError(f"{ENV_OVERRIDE}={value!r}: expected 'none' or a comma-separated "
-                         f"list of {', '.join(REDUCED)}")
+        raise ConfigError(f"{ENV_OVERRIDE}={value!r}: expected 'none' or a comma-separated "
+                          f"list of {', '.join(REDUCED)}")
     return frozenset(names)
 
 
@@ -77,8 +79,8 @@ def detect_native(features: dict[str, bool], machine: str) -> CpuPrecision:
             if present:
                 native.add(mode)
                 seen += present
-        return CpuPrecision(frozenset(native), ", ".join(seen) or
-                            f"no {', '.join(f for fl in NATIVE_FLAGS.values() for f in fl)}")
+        every = ", ".join(f for flags in NATIVE_FLAGS.values() for f in flags)
+        return CpuPrecision(frozenset(native), ", ".join(seen) or f"none of {every}")
     native = set()
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # on ARM: the bf16 extension itself
         native.add("bf16")
