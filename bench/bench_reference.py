@@ -43,7 +43,6 @@ from bench.common import find_data, machine_label
 from bench.step_runner import StepRunner
 from utils import comm
 from utils.cli import build_parser, load_params
-from utils.evaluation import l2_loss
 from utils.precision import autocast
 from utils.run.setup import set_batch_sizes
 from utils.training import train_step
@@ -98,7 +97,7 @@ class Variant(StepRunner):
         run = self.run
         run.optimizer.zero_grad(set_to_none=False)
         with autocast(run.params, run.device):
-            loss = l2_loss(run.model(inp), tar)
+            loss = run.loss_fn(run.model(inp), tar)
         run.scaler.scale(loss).backward()
         run.scaler.step(run.optimizer)
         run.scaler.update()

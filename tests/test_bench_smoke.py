@@ -1,6 +1,7 @@
 """bench.bench_step and bench.bench_reference run end to end (no timing assertions), and
 the CPU precision policy of utils.precision.attention (serial and distributed models
-alike): under CPU bf16 autocast attention runs in fp32, linears in bf16."""
+alike): under CPU bf16 autocast, short sequences attend with bf16 matmuls, long ones in the
+fp32 flash kernel; linears in bf16."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import REPO, TINY_IMG_SIZE, child_env
 
 from networks.vit import VisionTransformer
 from utils.data.synthetic import generate
+from utils.precision import MATH_PATH_MAX_SCORES, attention, math_attention
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves
@@ -111,7 +113,9 @@ def record_dtypes(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> dict[str
     return seen
 
 
-def test_cpu_bf16_policy_attention_fp32_linears_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_bf16_short_sequences_attend_with_bf16_matmuls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny ViT's 32 tokens: the math path, no SDPA kernel; every matmul in bf16."""
     model = tiny_vit()
     x = torch.randn(2, 20, *TINY_IMG_SIZE)
     with torch.no_grad():
@@ -119,14 +123,29 @@ def test_cpu_bf16_policy_attention_fp32_linears_bf16(monkeypatch: pytest.MonkeyP
     seen = record_dtypes(model, monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
-    assert len(seen["sdpa"]) == 2  # depth 2
-    assert all(d == (torch.float32,) * 3 for d in seen["sdpa"]), seen["sdpa"]
+    assert seen["sdpa"] == []
     assert seen["linear"] and all(d == torch.bfloat16 for d in seen["linear"]), seen["linear"]
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < BF16_REL_TOL, f"bf16 output is {rel:.3%} from fp32 (limit {BF16_REL_TOL:.0%})"
-    out.float().square().mean().backward()  # the fp32 island is differentiable
+    out.float().square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in model.parameters())
+
+
+def test_cpu_bf16_long_sequences_attend_in_fp32_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond MATH_PATH_MAX_SCORES (no N^2 scores in memory): the fp32 flash kernel."""
+    n = int(MATH_PATH_MAX_SCORES**0.5) + 1
+    q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+    seen = record_dtypes(nn.Module(), monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert seen["sdpa"] == [(torch.float32,) * 3] and out.dtype == torch.float32
+
+
+def test_math_path_computes_scaled_dot_product_attention() -> None:
+    q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(math_attention(q, k, v, 0.0, torch.float64),
+                               F.scaled_dot_product_attention(q, k, v))
 
 
 def test_fp32_unchanged_without_autocast(monkeypatch: pytest.MonkeyPatch) -> None:

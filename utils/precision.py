@@ -80,18 +80,42 @@ def warn_emulated(mode: str, cpu: CpuPrecision) -> None:
                 f"picks {auto_amp_mode(torch.device('cpu'), cpu)} here")
 
 
+# CPU autocast, sequences up to this many (query x key) tokens per head: the math path.
+MATH_PATH_MAX_SCORES = 256 * 256
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               dropout_p: float = 0.0) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` with the tutorial's device-dependent precision policy.
+    """Scaled dot-product attention with the tutorial's device-dependent precision policy.
 
-    On CPU under autocast, attention runs in fp32 while the linear layers around it stay
-    bf16: the CPU flash-attention kernel (forward + backward) is ~3x slower in bf16 than in
-    fp32 at this model's head size, whereas bf16 matmuls are 2-4x faster. With this mix a
-    bf16 step of the cpu_short model ran 1.5x faster than with bf16 attention. On CUDA,
-    reduced-precision SDPA is kept (flash attention is fast there).
+    On CPU under autocast (bf16 on a CPU with native bf16; one 2-core AVX-512-BF16/AMX
+    Xeon measured here, single-thread CPU time per block, forward + backward, cpu_short
+    shapes: 16 x 8 heads x 128 tokens x 24):
+      * short sequences (<= MATH_PATH_MAX_SCORES query x key pairs per head): the math
+        path in the autocast precision: softmax(q k^T / sqrt(d)) v as two reduced-precision
+        matmuls (the PyTorch CPU softmax accumulates in fp32) — 8.7 ms, against 14.1 ms for
+        the fp32 flash kernel (plus the casts to fp32 and back) and 52.6 ms for the bf16
+        flash kernel, which is slow at this small head size. The scores (B x heads x N^2)
+        are stored for the backward, hence the length limit;
+      * longer sequences: the flash kernel in fp32 (no N^2 memory), the linear layers
+        around it staying in reduced precision.
+    On CUDA, reduced-precision SDPA is kept (flash attention is fast there).
     """
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        if q.shape[-2] * k.shape[-2] <= MATH_PATH_MAX_SCORES:
+            return math_attention(q, k, v, dropout_p, torch.get_autocast_dtype("cpu"))
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                   dropout_p=dropout_p)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v with both matmuls in `dtype`; the scale goes on q (N x d
+    values) rather than on the N x N scores."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    weights = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).softmax(-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p)
+    return torch.matmul(weights, v)
