@@ -8,8 +8,10 @@ test_data_loader_dali.py.
 
 from __future__ import annotations
 
+import os
 import threading
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -25,8 +27,10 @@ from test_resume import (
     reference_run,
 )
 
+from utils.data import batch_read
 from utils.data.batch_read import read_batch, runs
 from utils.data.loader import ERA5Dataset, get_data_loader, get_loader
+from utils.data.mapped import mapped_fields
 from utils.data.prefetch import PrefetchLoader
 from utils.errors import DataError
 
@@ -44,6 +48,15 @@ def assert_same_batch(got, expected) -> None:
         assert torch.equal(g, e)
 
 
+@pytest.fixture(params=["mapped", "hdf5"])
+def read_path(request, monkeypatch) -> str:
+    """A test that takes it runs twice: samples read from the memory-mapped file, and (as
+    for files that cannot be mapped) through h5py hyperslabs."""
+    if request.param == "hdf5":
+        monkeypatch.setattr(batch_read, "mapped", lambda path: None)
+    return request.param
+
+
 @pytest.fixture
 def dataset(tiny_params) -> ERA5Dataset:
     tiny_params.limit_nsamples = None
@@ -54,7 +67,7 @@ def dataset(tiny_params) -> ERA5Dataset:
 
 
 @pytest.mark.parametrize("dt", [1, 3])
-def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt):
+def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt, read_path):
     tiny_params.dt, tiny_params.limit_nsamples = dt, None
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     indices = np.random.default_rng(dt).permutation(len(ds))[:7].tolist()
@@ -62,7 +75,7 @@ def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt):
 
 
 @pytest.mark.parametrize("dt", [1, 3])
-def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt):
+def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt, read_path):
     tiny_params.dt, tiny_params.limit_nsamples = dt, None
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     per_file = N - dt
@@ -75,7 +88,7 @@ def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt
     assert_same_batch(read_batch(ds, mixed), per_sample(ds, mixed))
 
 
-def test_cropped_img_size_reads_the_top_left_corner(tiny_params):
+def test_cropped_img_size_reads_the_top_left_corner(tiny_params, read_path):
     tiny_params.img_size = [8, 16]
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     inp, tar = read_batch(ds, [3, 1, 2])
@@ -84,7 +97,7 @@ def test_cropped_img_size_reads_the_top_left_corner(tiny_params):
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_data_loader_batches_equal_per_sample_reads(tiny_params, train):
+def test_data_loader_batches_equal_per_sample_reads(tiny_params, train, read_path):
     loader, ds, sampler = get_data_loader(tiny_params, tiny_params.train_data_path if train
                                           else tiny_params.valid_data_path, train=train)
     sampler.set_epoch(3)
@@ -96,6 +109,45 @@ def test_data_loader_batches_equal_per_sample_reads(tiny_params, train):
         assert_same_batch(batch, per_sample(ds, order[b * B:(b + 1) * B]))
 
 
+# ----------------------------------------------------------------- memory-mapped files
+
+
+def write_fields(path, data: np.ndarray, **options) -> str:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("fields", data=data, **options)
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", [{"chunks": (1, 3, 4, 5)}, {}])  # chunked, contiguous
+def test_mapped_samples_are_the_files_bytes(tmp_path, layout):
+    data = np.random.default_rng(0).standard_normal((6, 3, 4, 5)).astype(np.float32)
+    fields = mapped_fields(write_fields(tmp_path / "a.h5", data, **layout))
+    assert fields is not None
+    for i in range(6):
+        view = fields.sample(i)
+        assert not view.flags.writeable and np.array_equal(view, data[i])
+
+
+@pytest.mark.parametrize("options", [
+    {"chunks": (1, 3, 4, 5), "compression": "gzip"},   # filtered bytes
+    {"chunks": (2, 3, 4, 5)},                          # two samples per chunk
+    {"chunks": (1, 3, 2, 5)},                          # a sample over several chunks
+    {"dtype": np.float64},                             # not float32
+])
+def test_files_that_cannot_be_mapped_are_left_to_h5py(tmp_path, options):
+    options = dict(options)
+    data = np.ones((4, 3, 4, 5), dtype=options.pop("dtype", np.float32))
+    assert mapped_fields(write_fields(tmp_path / "b.h5", data, **options)) is None
+
+
+def test_a_truncated_file_is_not_mapped(tmp_path):
+    path = write_fields(tmp_path / "c.h5", np.ones((4, 3, 4, 5), np.float32),
+                        chunks=(1, 3, 4, 5))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    assert mapped_fields(path) is None
+
+
 # ----------------------------------------------------------------- the prefetch thread
 
 
@@ -103,7 +155,7 @@ def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "batch prefetch"]
 
 
-def test_prefetch_thread_yields_the_loaders_batches_in_order(tiny_params):
+def test_prefetch_thread_yields_the_loaders_batches_in_order(tiny_params, read_path):
     tiny_params.prefetch_thread = True
     loader, _, sampler = get_loader(tiny_params, tiny_params.train_data_path, train=True)
     plain, _, plain_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,

@@ -6,6 +6,8 @@ module turns them into two (B, C, H, W) float32 arrays:
   [t, t + n) and target rows [t + dt, t + dt + n), which for n >= dt is ONE hyperslab
   [t, t + n + dt) (a shuffled training batch: one read of the pair (t, t + dt) per sample;
   a validation batch: one read for the whole batch), else two;
+* files that store samples as plain float32 bytes are memory-mapped (utils/data/mapped.py)
+  and normalised where they lie, with no read copy; other files are read with hyperslabs;
 * the normalisation writes the rows read into the batch: (x - mean) / std as a subtraction
   out of the rows read and one in-place division of the whole batch.
 Per sample, the per-sample path makes 2 HDF5 reads, 4 numpy calls and a collate copy; this
@@ -20,6 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from utils.data.mapped import mapped
 
 
 class Run(NamedTuple):
@@ -70,6 +74,14 @@ def read_batch(dataset: Any, indices: list[int]) -> tuple[torch.Tensor, torch.Te
     inp = np.empty(shape, dtype=np.float32)
     tar = np.empty_like(inp)
     for run in runs(dataset, indices):
+        source = mapped(dataset.files[run.file])
+        if source is not None:  # zero-copy: normalise straight from the mapped file
+            for j in range(run.n):
+                t = run.start + j
+                np.subtract(source.sample(t)[:, rows, cols], dataset.means, out=inp[run.row + j])
+                np.subtract(source.sample(t + dataset.dt)[:, rows, cols], dataset.means,
+                            out=tar[run.row + j])
+            continue
         raw_inp, raw_tar = read_run(dataset._fields(run.file), run, dataset.dt, rows, cols)
         batch_rows = slice(run.row, run.row + run.n)
         np.subtract(raw_inp, dataset.means, out=inp[batch_rows])
