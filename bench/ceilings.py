@@ -57,10 +57,11 @@ class MatmulCeiling:
                  tries: int = 3, max_call_s: float = 0.25):
         self.device, self.tries = device, tries
         self.sizes: dict[torch.dtype, int] = {}
+        self.probe: dict[torch.dtype, float] = {}  # GFLOP/s of a 256^3 matmul
         self.skipped: dict[torch.dtype, float] = {}  # dtype -> probe GFLOP/s
         self.operands: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         for dtype in dict.fromkeys(dtypes):
-            probe = self._rate(*self._pair(256, dtype), tries=2)
+            probe = self.probe[dtype] = self._rate(*self._pair(256, dtype), tries=2)
             fits = [s for s in CEILING_SIZES if s <= n and 2 * s**3 / probe / 1e9 <= max_call_s]
             if not fits:
                 self.skipped[dtype] = probe
@@ -232,11 +233,11 @@ class ShapeTrueCeiling:
         rec = Recorder()
         with rec:
             fwd_bwd()
-        ceiling = cls(device, rec.calls)
-        ceiling._prepare()
-        return ceiling
+        return cls(device, rec.calls)
 
-    def _prepare(self) -> None:
+    def prepare(self) -> ShapeTrueCeiling:
+        """Make the random inputs and run every call once (warm-up): needed before
+        `seconds` and `split`."""
         inputs: dict[int, tuple] = {}
         outputs: dict[int, tuple] = {}
 
@@ -256,6 +257,7 @@ class ShapeTrueCeiling:
                 out = c.op(*args, **kwargs)  # also the warm-up call
             outputs[i] = out if isinstance(out, (tuple, list)) else (out,)
             self._prepared.append((c.op, args, kwargs))
+        return self
 
     @property
     def gemm_gflop(self) -> float:

@@ -111,7 +111,7 @@ class StepRunner:
 
     def record_ceiling(self) -> ShapeTrueCeiling:
         """The GEMMs and attention calls of one of its training steps (bench/ceilings.py),
-        recorded from one eager forward and backward at its precision."""
+        recorded from one eager forward and backward at its precision (not yet prepared)."""
         model = eager(self.model)
 
         def forward_backward() -> None:
