@@ -52,6 +52,7 @@ from bench.report import Summary, print_report, print_split, print_table, summar
 from bench.step_runner import StepRunner
 from networks.vit import training_flops_per_sample
 from utils import comm
+from utils.allocator import keep_freed_memory
 from utils.cli import build_parser, load_params
 from utils.precision import autocast_dtype, resolved
 from utils.run.setup import set_batch_sizes
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = Budget(args.budget_s)
     clock.use(args.clock)
     _, device = comm.init_process()
+    keep_freed_memory()  # as train.py's setup_run
     base = load_params(args)
     tmp = find_data(base)
     data_paths = {k: base[k] for k in DATA_PATH_KEYS}
