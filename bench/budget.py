@@ -27,7 +27,8 @@ class Budget:
         return time.perf_counter() - self.start
 
     def left(self) -> float:
-        return self.seconds - self.elapsed()
+        """Seconds left, less 5 for the report and the teardown (loaders, interpreter)."""
+        return self.seconds - 5.0 - self.elapsed()
 
     @staticmethod
     def reserve(runners: list[Any], iters: int) -> float:

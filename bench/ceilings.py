@@ -50,8 +50,9 @@ def precision_label(dtype: torch.dtype, device: torch.device) -> str:
 
 class MatmulCeiling:
     """Best-of-`tries` rate of one n x n x n `torch.mm` (2 n^3 FLOPs) per precision, with n
-    per precision the largest of CEILING_SIZES (<= `n`) whose call a 256^3 probe predicts
-    to take at most `max_call_s`; a precision too slow even at 256 is skipped."""
+    per precision the largest of CEILING_SIZES (<= `n`) whose call a 256^3 (or, when that
+    is fast, 512^3) probe predicts to take at most `max_call_s`; a precision too slow even
+    at 256 is skipped."""
 
     def __init__(self, device: torch.device, dtypes: list[torch.dtype], n: int = 2048,
                  tries: int = 3, max_call_s: float = 0.25):
@@ -62,6 +63,8 @@ class MatmulCeiling:
         self.operands: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         for dtype in dict.fromkeys(dtypes):
             probe = self.probe[dtype] = self._rate(*self._pair(256, dtype), tries=2)
+            if 2 * 512**3 / probe / 1e9 < 0.05:  # fast: a 512^3 probe predicts large n better
+                probe = self._rate(*self._pair(512, dtype), tries=2)
             fits = [s for s in CEILING_SIZES if s <= n and 2 * s**3 / probe / 1e9 <= max_call_s]
             if not fits:
                 self.skipped[dtype] = probe
