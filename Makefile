@@ -1,11 +1,12 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+# `make evaluate` scores the trained model's 5-day forecasts (inference.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= data/synthetic
 CONFIG ?= cpu_short
 
-.PHONY: venv data train test lint bench clean
+.PHONY: venv data train evaluate test lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ data: $(DATA_DIR)/stats/time_means.npy
 
 train: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) train.py --config=$(CONFIG)
+
+evaluate: venv data
+	DATA_DIR=$(DATA_DIR) $(PY) inference.py --config=$(CONFIG)
 
 test: venv
 	$(PY) -m pytest -q tests

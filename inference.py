@@ -1,11 +1,11 @@
 """Forecast skill: roll a trained model forward for days and score it against persistence and
 climatology.
 
-    python inference.py --config=cpu_short                     # newest checkpoint of that run
-    python inference.py --run logs/cpu_base/1CPU/00            # the config saved in the run
+    python inference.py --config=cpu_short                  # newest checkpoint of that run
+    python inference.py --run_dir logs/cpu_base/1CPU/00     # the config saved in the run
     python inference.py --checkpoint logs/cpu_base/1CPU/00/checkpoints/ckpt_00001200.pt
-    torchrun --nproc_per_node 2 inference.py --run RUN_DIR     # initial conditions split (dp)
-    torchrun --nproc_per_node 2 inference.py --run RUN_DIR --tp 2   # tensor-parallel model
+    torchrun --nproc_per_node 2 inference.py --run_dir DIR  # initial conditions split (dp)
+    torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel at
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="config section (default: the config saved in the checkpoint)")
     p.add_argument("--run_num", default="00", help="with --config: which run of it")
-    p.add_argument("--run", default=None, help="run directory: its newest checkpoint")
+    p.add_argument("--run_dir", default=None, help="run directory: its newest checkpoint")
     p.add_argument("--checkpoint", default=None, help="a checkpoint file")
     p.add_argument("--n_initial_conditions", type=int, default=None,
                    help="spread evenly over the test split (default 32, or all if fewer)")
@@ -81,25 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ which model, which config
 def locate_checkpoint(args: argparse.Namespace) -> str:
-    """--checkpoint, else the newest checkpoint of --run, else of the --config's run."""
+    """--checkpoint, else the newest checkpoint of --run_dir, else of the --config's run."""
     if args.checkpoint:
         return args.checkpoint
-    if args.run:
-        path = latest_checkpoint(args.run)
+    if args.run_dir:
+        path = latest_checkpoint(args.run_dir)
         if path is None:
-            raise CheckpointError(f"no checkpoint in {checkpoint_dir(args.run)} (--run)")
+            raise CheckpointError(f"no checkpoint in {checkpoint_dir(args.run_dir)} (--run_dir)")
         return path
     if args.config is None:
-        raise ConfigError("which model? give --run RUN_DIR, --checkpoint FILE or --config NAME")
+        raise ConfigError("which model? give --run_dir RUN_DIR, --checkpoint FILE or --config NAME")
     params = YParams(args.yaml_config, args.config)
     pattern = os.path.join(params.expdir, args.config, "*", args.run_num)
     runs = [r for r in sorted(glob.glob(pattern)) if latest_checkpoint(r)]
     if not runs:
         raise CheckpointError(f"no checkpoint in {pattern}/checkpoints: train the config "
-                              "first (set LOG_DIR as for training), or give --run/--checkpoint")
+                              "first (set LOG_DIR as for training), or give --run_dir/--checkpoint")
     if len(runs) > 1:
         raise ConfigError(f"{len(runs)} runs of {args.config}: {', '.join(runs)}; "
-                          "choose one with --run")
+                          "choose one with --run_dir")
     return latest_checkpoint(runs[0])
 
 
@@ -238,10 +238,20 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # ---- checkpoint, config and initial conditions, before any process group exists: a
+    # user error stops every rank alike, with one line
     path = locate_checkpoint(args)
     params, ckpt = load_config(args, path)
+    data = RolloutData(params, params.inf_data_path)
+    channels = data.channel_names()
+    for name in [*args.channels, args.map_channel]:
+        if name not in channels:
+            raise ConfigError(f"unknown channel {name}; the data has {', '.join(channels)}")
+    ics = data.pick(args.n_initial_conditions, args.lead_steps)
     out_dir = args.out or os.path.join(run_directory(path), "forecast")
-    os.makedirs(out_dir, exist_ok=True)  # every rank: a failure stops all of them alike
+    os.makedirs(out_dir, exist_ok=True)
+
+    # ---- processes, the model, this data-parallel rank's share of the initial conditions
     env, device = init_process(params.tp, params.cp, params.parallel_order)
     rank = comm.get_world_rank()
     config_logger(rank)
@@ -250,14 +260,6 @@ def main(argv: list[str] | None = None) -> None:
     log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {params.config}); "
              f"layout tp {comm.get_size('tp')} x cp {comm.get_size('cp')} x dp "
              f"{comm.get_size('dp')}; amp_mode {params.amp_mode}")
-
-    # ---- initial conditions from the test split, shared out over data-parallel ranks
-    data = RolloutData(params, params.inf_data_path)
-    channels = data.channel_names()
-    for name in [*args.channels, args.map_channel]:
-        if name not in channels:
-            raise ConfigError(f"unknown channel {name}; the data has {', '.join(channels)}")
-    ics = data.pick(args.n_initial_conditions, args.lead_steps)
     mine = my_initial_conditions(ics)
     model = load_model(params, ckpt, path, device)
     norm = Normaliser(params, device)
