@@ -183,21 +183,24 @@ def my_initial_conditions(ics: list[InitialCondition]) -> list[InitialCondition]
     return ics[start: start + sizes[rank]]
 
 
-@torch.inference_mode()
 def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialCondition],
              lead_steps: int, batch_size: int, params: Any, norm: Normaliser,
              device: torch.device, map_channel: int) -> tuple[torch.Tensor, np.ndarray]:
     """Sums of scores over `ics` (utils.forecast_skill.forecast_sums), and the first
     rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W)."""
-    sums, example = 0, None
+    # Allocated outside inference mode: the all-reduce later updates it in place.
+    sums = torch.zeros(len(FORECASTS), 2, lead_steps + 1, int(params.n_out_channels),
+                       dtype=torch.float64, device=device)
+    example = None
     for start in range(0, len(ics), batch_size):
-        truth = data.read(ics[start: start + batch_size], lead_steps).to(device)
-        with autocast(params, device):
-            preds = rollout(model, truth[:, 0], lead_steps)
-        forecast = torch.cat([truth[:, :1], preds], dim=1)  # lead 0 is the initial state
-        sums = sums + forecast_sums(forecast, truth, norm.climatology)
-        if example is None:
-            example = torch.stack([truth[0, :, map_channel], forecast[0, :, map_channel]])
+        with torch.inference_mode():  # no autograd bookkeeping at all
+            truth = data.read(ics[start: start + batch_size], lead_steps).to(device)
+            with autocast(params, device):
+                preds = rollout(model, truth[:, 0], lead_steps)
+            forecast = torch.cat([truth[:, :1], preds], dim=1)  # lead 0: the initial state
+            sums += forecast_sums(forecast, truth, norm.climatology)
+            if example is None:
+                example = torch.stack([truth[0, :, map_channel], forecast[0, :, map_channel]])
     return sums, example.cpu().numpy()
 
 
