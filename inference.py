@@ -234,7 +234,7 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
         or [len(skill.lead_hours) - 1]
     fig = rollout_maps(maps[0, leads], maps[1, leads], [skill.lead_hours[k] for k in leads],
                        map_channel)
-    fig.savefig(os.path.join(out_dir, f"rollout_{map_channel}.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"rollout_{map_channel}.png"), dpi=80)
     log.info(f"Wrote skill.csv, skill.json, skill_vs_lead.png, rollout_{map_channel}.png "
              f"and tensorboard/ to {out_dir}")
 

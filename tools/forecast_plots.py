@@ -71,7 +71,7 @@ def rollout_maps(truth: np.ndarray, forecast: np.ndarray, lead_hours: Sequence[i
         panels = (("truth", t, "inferno", lo, hi), ("forecast", f, "inferno", lo, hi),
                   ("error", err, "RdBu_r", -m, m))
         for ax, (label, field, cmap, vmin, vmax) in zip(axes[row], panels, strict=True):
-            im = ax.imshow(field, cmap=cmap, vmin=vmin, vmax=vmax)
+            im = ax.imshow(field, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
             ax.set_title(f"{name} {label}, +{hours / 24:g} d", fontsize=9)
             ax.set_xticks([])
             ax.set_yticks([])
