@@ -220,7 +220,8 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
     write_csv(skill, os.path.join(out_dir, "skill.csv"))
     write_json(skill, os.path.join(out_dir, "skill.json"), metadata)
     for f, forecast in enumerate(FORECASTS):
-        with SummaryWriter(os.path.join(out_dir, "tensorboard", forecast)) as writer:
+        # purge_step 0: TensorBoard drops the events of an earlier evaluation in this directory
+        with SummaryWriter(os.path.join(out_dir, "tensorboard", forecast), purge_step=0) as writer:
             for c, name in enumerate(skill.channels):
                 for k, hours in enumerate(skill.lead_hours):
                     writer.add_scalar(f"forecast/RMSE({name})", skill.rmse[f, k, c], hours)
