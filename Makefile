@@ -1,4 +1,5 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+# `make evaluate` scores the trained model's 5-day forecasts (inference.py).
 # On a GPU node, `make test-gpu` first (tests/gpu, a few minutes; PY=<python> to use another
 # interpreter, e.g. a container's venv, instead of .venv).
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= data/synthetic
 CONFIG ?= cpu_short
 
-.PHONY: venv data train test test-gpu lint bench clean
+.PHONY: venv data train evaluate test test-gpu lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ data: $(DATA_DIR)/stats/time_means.npy
 
 train: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) train.py --config=$(CONFIG)
+
+evaluate: venv data
+	DATA_DIR=$(DATA_DIR) $(PY) inference.py --config=$(CONFIG)
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -27,10 +27,19 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # fp32 on CPU: torch 2.13's oneDNN AMX kernel for this bf16 convolution (kernel =
+            # stride = 8, >= 16 input channels) returns wrong outputs (relative error ~1 on
+            # Sapphire Rapids; its backward and all bf16 matmuls are right). The patch
+            # embedding is a few percent of a step.
+            with torch.autocast("cpu", enabled=False):
+                x = self.proj(x.float())
+        else:
+            x = self.proj(x)
         # (B, N, D). Made contiguous once here: a transposed token stream would stay
         # transposed through every residual add and make each LayerNorm (forward and
         # backward) copy its input, ~3% of a CPU step.
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
+        return x.flatten(2).transpose(1, 2).contiguous()
 
 
 class Attention(nn.Module):

@@ -240,8 +240,9 @@ def prune(exp_dir: str, keep: int) -> None:
             os.remove(stray)
 
 
-def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
-    """Load and check a checkpoint; any problem is a one-line CheckpointError."""
+def read_checkpoint(path: str, params: Any | None) -> dict[str, Any]:
+    """Load and check a checkpoint; any problem is a one-line CheckpointError.
+    `params` None: no config to check against (the caller takes the checkpoint's own)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found")
     if not os.path.isfile(path):
@@ -268,7 +269,7 @@ def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is incomplete: no {', '.join(missing)}")
-    for key in MODEL_KEYS:
+    for key in MODEL_KEYS if params is not None else ():
         saved, now = ckpt["config"].get(key), params.get(key)
         if saved is not None and list(np.atleast_1d(saved)) != list(np.atleast_1d(now)):
             raise CheckpointError(f"{path} was saved with {key}={saved}, "
