@@ -25,8 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import CONFIG_FILE
-from dist_utils import run_distributed
+from helpers import CONFIG_FILE, assert_close_rel, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -52,15 +51,6 @@ RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 IMG = (28, 36)
 TINY = dict(img_size=IMG, patch_size=4, in_chans=3, out_chans=2, embed_dim=16, depth=2,
             num_blocks=4)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tests share a couple of cores; more threads than cores only slows tiny models."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _params(**overrides) -> SimpleNamespace:
@@ -193,12 +183,6 @@ def test_afno_bsN_opt_sections_follow_the_vits_sqrt_lr_scaling() -> None:
 
 # ------------------------------------------------------------------ spatially parallel
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 0.0) -> None:
-    err = (actual - expected).abs().max().item()
-    bound = RTOL * expected.abs().max().item() + atol
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return (torch.randn(GLOBAL_BATCH, 3, *IMG, generator=g),
@@ -230,16 +214,17 @@ def _compare(fraction: float) -> None:
         if step == 0:
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            _close(mean_loss / dp, loss_serial.detach(), f"{layout} loss")
+            assert_close_rel(mean_loss / dp, loss_serial.detach(), f"{layout} loss", RTOL)
             grads = gather_full_grads(model)
             for name, p in serial.named_parameters():
-                _close(grads[name], p.grad, f"{layout} grad of {name}")
+                assert_close_rel(grads[name], p.grad, f"{layout} grad of {name}", RTOL)
         opt_serial.step(), opt.step()
         opt_serial.zero_grad(), opt.zero_grad()
 
     full = gather_full_state_dict(model)
     for name, p in serial.named_parameters():
-        _close(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps", ATOL_ADAM)
+        assert_close_rel(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps",
+                         RTOL, ATOL_ADAM)
     _check_replicas_identical(model)
 
 

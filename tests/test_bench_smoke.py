@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO, TINY_IMG_SIZE, child_env
+from helpers import REPO, TINY_IMG_SIZE, child_env
 
 from networks.vit import VisionTransformer
 from utils.data.synthetic import generate
@@ -23,6 +23,7 @@ from utils.data.synthetic import generate
 BF16_REL_TOL = 2e-2
 
 
+@pytest.mark.e2e
 def test_bench_step_smoke(tmp_path: Path) -> None:
     generate(tmp_path, img_size=TINY_IMG_SIZE, samples_per_year=24, train_years=1,
              valid_years=1, test_years=1)

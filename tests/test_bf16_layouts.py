@@ -18,8 +18,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_script
-from dist_utils import run_distributed
+from helpers import run_distributed, run_script
 
 from distributed.helpers import compute_split_shapes
 from distributed.layers import DistributedAttention, TokenSplit, load_serial_state_dict

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, child_env
+from helpers import REPO, child_env, one_line
 
 from networks.vit import vit_from_params
 from utils.precision import grad_scaler
@@ -67,12 +67,6 @@ class Run:
 def params(tiny_params):
     tiny_params.checkpoint_keep = 3
     return tiny_params
-
-
-def one_line(error: BaseException) -> str:
-    text = str(error)
-    assert "\n" not in text, text
-    return text
 
 
 # ----------------------------------------------------------------- contents and exactness
@@ -177,6 +171,7 @@ save_atomic({"weights": torch.ones(1 << 16), "stall": Stall()}, sys.argv[1])
 """
 
 
+@pytest.mark.e2e  # a real saver process, killed
 def test_killing_a_save_midway_damages_no_checkpoint(params, tmp_path):
     run = Run(params, tmp_path)
     old = run.ckpt.save(Progress(4, 1, 4))

@@ -18,9 +18,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_FILE, REPO, TrainRun, free_port, run_script
+from helpers import CONFIG_FILE, REPO, TrainRun, free_port, run_script
 
 from utils.run.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.e2e
 
 TIMEOUT = 180
 
@@ -58,8 +60,8 @@ def case(fn: Callable[[Path, Path], Case]) -> Callable[[Path, Path], Case]:
 
 
 @case
-def _unknown_config(d, tiny_data):
-    return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny"],
+def _unknown_config(d, tiny_data):  # the error lists the valid names
+    return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny", "cpu_short"],
                 ["--config=no_such_config"])
 
 @case
@@ -71,6 +73,11 @@ def _malformed_yaml(d, tiny_data):
 @case
 def _unknown_flag_value(d, tiny_data):  # argparse: a usage line, then one error line
     return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
+
+@case
+def _bad_flag_value(d, tiny_data):  # checked by the config schema, before any data is read
+    return Case(["error: bad value --checkpoint_keep 0: expected int > 0"],
+                ["--config=tiny", "--checkpoint_keep", "0"], data_dir=d / "no_data")
 
 @case
 def _missing_data_directory(d, tiny_data):
@@ -167,7 +174,7 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun | list[TrainRun]]:
     # Global batch 3 over 2 data-parallel ranks: two processes joined by the environment
     # variables a launcher sets (srun / export_DDP_vars.sh), each must say it in one line.
     cfg = _yaml(tmp, "odd_batch:\n  <<: *tiny\n  global_batch_size: 3\n")
-    dp = Case(["global_batch_size 3", "data-parallel size 2"],
+    dp = Case(["error: global_batch_size 3 is not divisible by the data-parallel size 2"],
               ["--config=odd_batch", f"--yaml_config={cfg}"])
     port = str(free_port())
     with ThreadPoolExecutor(4) as pool:
@@ -192,7 +199,8 @@ def assert_one_error_line(run: TrainRun, words: list[str]) -> str:
     return errors[0]
 
 
-NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "missing_data_directory",
+NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "bad_flag_value",
+         "missing_data_directory",
          "empty_data_directory", "wrong_hdf5_layout", "stats_shape_mismatch",
          "img_size_not_a_multiple_of_patch", "batch_not_divisible_by_dp",
          "heads_not_divisible_by_tp", "world_not_divisible_by_tp_cp", "dali_unavailable",
@@ -206,6 +214,8 @@ def test_bad_input_is_one_error_line_and_exit_code_2(runs, name):
         line = assert_one_error_line(run, case.words)
         if name != "unknown_flag_value":  # argparse words its own line (prog: error: ...)
             assert line.startswith("error: "), line
+            # ... and that line is all a user sees on stderr: no warning, no log record
+            assert [out for out in run.stderr.splitlines() if out.strip()] == [line], run.stderr
 
 
 def test_a_nan_loss_keeps_the_last_good_checkpoint(runs):

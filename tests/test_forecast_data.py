@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
+from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
 from utils.data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
 from utils.data.loader import ERA5Dataset

@@ -8,12 +8,10 @@ agree to rtol 1e-5 (fp32 sums of a few hundred terms).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_distributed
+from helpers import reference_scores, run_distributed
 
 from utils.forecast_skill import (
     CSV_COLUMNS,
@@ -37,40 +35,6 @@ NAMES = ["u10", "t2m", "z500"]
 MEANS = np.array([1.0, 280.0, 5.5e4])
 STDS = np.array([5.0, 20.0, 3.0e3])
 RTOL = 1e-5
-
-
-def lat_weights(h: int) -> list[float]:
-    """cos(latitude) of rows from +90 to -90 degrees, normalised to mean 1."""
-    cosines = [math.cos(math.radians(90.0 - 180.0 * i / (h - 1))) for i in range(h)]
-    mean = sum(cosines) / h
-    return [c / mean for c in cosines]
-
-
-def reference_scores(pred: np.ndarray, truth: np.ndarray, clim: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """RMSE (sqrt of the mean over ICs of the weighted MSE) and mean ACC, (L+1, C), by loops.
-    pred, truth: (B, L+1, C, H, W) physical; clim: (C, H, W) physical."""
-    n, leads, channels, h, w = truth.shape
-    wts = lat_weights(h)
-    rmse, acc = np.zeros((leads, channels)), np.zeros((leads, channels))
-    for k in range(leads):
-        for c in range(channels):
-            mse_sum = acc_sum = 0.0
-            for b in range(n):
-                se = num = pp = tt = 0.0
-                for i in range(h):
-                    for j in range(w):
-                        p, t, m = (float(pred[b, k, c, i, j]), float(truth[b, k, c, i, j]),
-                                   float(clim[c, i, j]))
-                        se += wts[i] * (p - t) ** 2
-                        num += wts[i] * (p - m) * (t - m)
-                        pp += wts[i] * (p - m) ** 2
-                        tt += wts[i] * (t - m) ** 2
-                mse_sum += se / (h * w)
-                acc_sum += num / math.sqrt(pp * tt) if pp > 0 else 0.0
-            rmse[k, c] = math.sqrt(mse_sum / n)
-            acc[k, c] = acc_sum / n
-    return rmse, acc
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_FILE, run_script
-from test_forecast_skill import reference_scores
+from helpers import CONFIG_FILE, reference_scores, run_script
 
 from networks.vit import vit_from_params
 from utils.run.checkpoint import latest_checkpoint

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from helpers import assert_close_rel, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.helpers import annotation_errors, sync_shared_gradients
@@ -40,12 +40,6 @@ from utils import comm
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 TINY = dict(patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4)
 IMAGES = [(16, 32), (12, 28)]  # 32 tokens, and 21 tokens (uneven over cp = 2: 11 + 10)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 0.0) -> None:
-    err = (actual - expected).abs().max().item()
-    bound = RTOL * expected.abs().max().item() + atol
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def _batch(step: int, img: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,16 +73,17 @@ def _compare(img: tuple[int, int]) -> None:
         if step == 0:
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            _close(mean_loss / dp, loss_serial.detach(), f"{layout} loss")
+            assert_close_rel(mean_loss / dp, loss_serial.detach(), f"{layout} loss", RTOL)
             grads = gather_full_grads(model)
             for name, p in serial.named_parameters():
-                _close(grads[name], p.grad, f"{layout} grad of {name}")
+                assert_close_rel(grads[name], p.grad, f"{layout} grad of {name}", RTOL)
         opt_serial.step(), opt.step()
         opt_serial.zero_grad(), opt.zero_grad()
 
     full = gather_full_state_dict(model)
     for name, p in serial.named_parameters():
-        _close(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps", ATOL_ADAM)
+        assert_close_rel(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps",
+                         RTOL, ATOL_ADAM)
     _check_replicas_identical(model)
 
 
@@ -107,6 +102,7 @@ def _run(tp: int, cp: int) -> None:
         _compare(img)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp,cp,world", [(2, 1, 2), (1, 2, 2), (2, 2, 4), (2, 1, 4), (1, 2, 4)],
                          ids=["tp2", "cp2", "tp2xcp2", "dp2xtp2", "dp2xcp2"])
 def test_matches_serial(tp: int, cp: int, world: int) -> None:
@@ -135,6 +131,7 @@ def _annotations() -> None:
         sync_shared_gradients(model)
 
 
+@pytest.mark.distributed
 def test_every_parameter_is_sharded_or_shared() -> None:
     run_distributed(_annotations, 4)
 
@@ -156,6 +153,7 @@ def _init_matches_serial() -> None:
         assert torch.equal(full[name], tensor), f"{name} initialised differently"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2), (2, 2)])
 def test_initialisation_is_the_serial_one_on_any_layout(tp: int, cp: int) -> None:
     """train_mp.py with any tp/cp starts from exactly train.py's weights (same seed)."""

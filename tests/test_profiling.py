@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 RANGES = ("forward", "backward", "optimizer", "data copy in")
 
 

@@ -12,7 +12,7 @@ import re
 import shlex
 
 import pytest
-from conftest import CONFIG_FILE, REPO
+from helpers import CONFIG_FILE, REPO
 
 from utils.YParams import YParams
 
