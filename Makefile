@@ -42,7 +42,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "$(UNIT)" tests
 
 test-dist: venv
-	$(PY) -m pytest -q -m "distributed and not gpu" tests
+	$(PY) -m pytest -q -m "distributed and not e2e and not gpu" tests
 
 test-e2e: venv
 	$(PY) -m pytest -q -m "e2e and not gpu" tests
