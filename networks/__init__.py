@@ -1,0 +1,3 @@
+from networks.factory import build_model
+
+__all__ = ["build_model"]
