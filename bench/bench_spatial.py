@@ -3,6 +3,7 @@ the AFNO's training step on h x w meshes.
 
     python -m bench.bench_spatial --config cpu_afno                 # 1x1 2x1 1x2 2x2, 3 steps
     python -m bench.bench_spatial --config cpu_afno --mesh 1x1 4x1 --iters 5
+    python -m bench.bench_spatial --volumes cpu_afno afno      # formulas: spatial vs tensor
 
 For each mesh the script starts `torchrun --nproc_per_node h*w` on itself (dp = 1: every mesh
 holds the whole batch, each rank its tile). Each rank builds train_mp.py's model and run
@@ -66,6 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_batch_size", type=int, default=None,
                    help=f"samples per step (default: the config's, at most {CPU_BATCH})")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mesh")
+    p.add_argument("--volumes", nargs="+", metavar="CONFIG", default=None,
+                   help="print the communication formulas for these configs and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -221,6 +224,66 @@ def summarise(mesh: tuple[int, int], ranks: list[dict[str, Any]], formula: int
             "loss": ranks[0]["loss"]}
 
 
+# ----------------------------------------------------------------- formulas
+
+def spatial_bytes(batch: int, grid: tuple[int, int], dim: int, depth: int, shared: int,
+                  mesh: tuple[int, int]) -> tuple[float, float]:
+    """Bytes one rank sends per training step on an h x w mesh (fp32, even splits, all modes
+    kept): (FFT all-to-alls, all-reduce of the `shared` replicated parameters' gradients).
+
+    S = 4 B H W D is one activation of the whole token grid. Each transform sends (w-1)/w
+    of the rank's real tile (S / P) over w, and (h-1)/h of its complex pencil (S / P x
+    2 KW / W, KW = W/2 + 1) over h. A block runs 2 transforms forward and the same 2 again
+    in the backward pass. A ring all-reduce sends 2 (n-1)/n of its payload; the gradients
+    are reduced over h, then over w."""
+    (H, W), (h, w) = grid, mesh
+    S, P, KW = 4 * batch * H * W * dim, h * w, W // 2 + 1
+    acts = depth * 4 * S / P * ((w - 1) / w + 2 * KW / W * (h - 1) / h)
+    grads = 4 * shared * (2 * (h - 1) / h + 2 * (w - 1) / w)
+    return acts, grads
+
+
+def tensor_parallel_bytes(batch: int, grid: tuple[int, int], dim: int, depth: int,
+                          tp: int) -> float:
+    """Bytes one rank sends per training step with tensor parallelism over tp ranks of
+    transformer blocks of width `dim` on the same tokens: 2 all-reduces of the whole
+    activation S forward (after the row-parallel attention projection and fc2) and 2
+    backward (before the column-parallel q/k/v and fc1), each 2 (tp-1)/tp S. Replicated
+    parameters see every token: no gradient reduction."""
+    S = 4 * batch * grid[0] * grid[1] * dim
+    return depth * 4 * 2 * (tp - 1) / tp * S
+
+
+def volumes(config: str, yaml_config: str, batch: int = 16) -> str:
+    """Per-rank bytes per training step, spatial meshes vs tensor parallelism, for the
+    dimensions of `config` and `batch` samples per model replica."""
+    from networks.afno import count_parameters
+    from utils.YParams import YParams
+
+    p = YParams(yaml_config, config)
+    grid = (p.img_size[0] // p.patch_size, p.img_size[1] // p.patch_size)
+    total = count_parameters(p.embed_dim, p.depth, p.patch_size, p.n_in_channels,
+                             p.n_out_channels, grid, p.num_blocks, p.mlp_ratio)
+    shared = total - grid[0] * grid[1] * p.embed_dim  # all but pos_embed
+    S = 4 * batch * grid[0] * grid[1] * p.embed_dim
+    lines = [f"{config}: {grid[0]} x {grid[1]} tokens, embed {p.embed_dim}, depth {p.depth}, "
+             f"{total / 1e6:.2f} M parameters, batch {batch} per replica: S = "
+             f"{S / 1024**2:.1f} MB per activation",
+             "| ranks | layout | activations MB/step/rank | gradients MB/step/rank "
+             "| total MB/step/rank |", "|---:|---|---:|---:|---:|"]
+    for ranks in (4, 16):
+        for h, w in ((ranks // 2 if ranks == 4 else 4, 2 if ranks == 4 else 4), (ranks, 1)):
+            if h > grid[0] or w > min(grid[1], p.num_blocks):
+                continue
+            acts, grads = spatial_bytes(batch, grid, p.embed_dim, p.depth, shared, (h, w))
+            lines.append(f"| {ranks} | spatial {h} x {w} | {acts / 1024**2:.1f} "
+                         f"| {grads / 1024**2:.1f} | {(acts + grads) / 1024**2:.1f} |")
+        acts = tensor_parallel_bytes(batch, grid, p.embed_dim, p.depth, ranks)
+        lines.append(f"| {ranks} | tensor parallel {ranks} | {acts / 1024**2:.1f} | 0 "
+                     f"| {acts / 1024**2:.1f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------- the launcher
 
 def launch(args: argparse.Namespace, mesh: str) -> dict[str, Any]:
@@ -267,6 +330,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from utils.YParams import YParams
+
+    if args.volumes:
+        print("\n\n".join(volumes(c, args.yaml_config) for c in args.volumes))
+        return 0
 
     p = YParams(args.yaml_config, args.config)
     if args.local_batch_size is None:
