@@ -297,6 +297,7 @@ def launch(args: argparse.Namespace, mesh: str) -> dict[str, Any]:
            "--warmup", str(args.warmup), "--threads", str(threads),
            "--local_batch_size", str(args.local_batch_size)]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: no spinning on shared cores
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
     try:
