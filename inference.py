@@ -31,9 +31,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as in train.py: shared CP
 import numpy as np
 import torch
 
+import networks
 from distributed.helpers import compute_split_shapes, shard_tensor
 from distributed.layers import DistributedLayers
-from networks.vit import vit_from_params
 from utils import comm
 from utils.cli import add_model_parallel_args
 from utils.data.forecast import InitialCondition, RolloutData
@@ -164,7 +164,7 @@ def load_model(params: Any, ckpt: dict[str, Any], path: str,
     """The model of this layout (serial, or distributed layers when tp x cp > 1) with the
     checkpoint's full tensors, each cut to this rank's shard (train_mp.py does the same)."""
     layers = DistributedLayers() if comm.get_size("tp-cp") > 1 else None  # as train_mp.py
-    model = vit_from_params(params, layers=layers).to(device)
+    model = networks.build_model(params, layers=layers).to(device)
     names = [n for n, _ in model.named_parameters()]
     missing = [n for n in names if n not in ckpt["model"]]
     unexpected = [n for n in ckpt["model"] if n not in names]

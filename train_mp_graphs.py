@@ -26,6 +26,7 @@ import sys
 import torch
 
 import train_mp
+from distributed import spatial_metrics
 from distributed.helpers import sync_shared_gradients
 from utils.evaluation import l2_loss
 from utils.precision import autocast
@@ -42,8 +43,9 @@ class GraphedStep:
 
     def _body(self, run, inp, tar):
         """What the graph holds: train_mp.py's step without the eager-only parts."""
+        loss_fn = spatial_metrics.l2_loss if run.tile is not None else l2_loss
         with autocast(run.params, run.device):
-            loss = l2_loss(run.model(inp), tar)
+            loss = loss_fn(run.model(inp), tar)
         run.scaler.scale(loss).backward()
         sync_shared_gradients(run.model)
         if not run.scaler.is_enabled():
@@ -56,7 +58,8 @@ class GraphedStep:
         self.stream = torch.cuda.Stream(device)  # on this rank's GPU, after set_device
         saved = _snapshot(run)
         with torch.random.fork_rng(devices=[device]):
-            shape = (int(p.local_batch_size), int(p.n_in_channels), *p.img_size)
+            grid = run.tile.shape if run.tile is not None else p.img_size  # this rank's fields
+            shape = (int(p.local_batch_size), int(p.n_in_channels), *grid)
             self.static_inp = torch.randn(shape, device=device)
             self.static_tar = torch.randn(shape, device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))

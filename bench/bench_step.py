@@ -13,7 +13,7 @@ again and a block of (c) (the blocks swap places each round), so (a), (b) and (c
 same machine load; with --table the settings take turns within each round. A block counts
 its median step. The ratios ((c)/(b), fraction of the ceiling) are formed within a round and
 every number printed is a median over rounds.
-Model FLOP/s are analytic: `training_flops_per_sample` (matmul FLOPs of forward and backward)
+Model FLOP/s are analytic: `networks.training_flops` (matmul FLOPs of forward and backward)
 x samples/s, so they count useful model work, not what a kernel executes.
 Every setting is built by `utils.training.build_training` and steps with its `train_step`,
 exactly as train.py runs them. Without a data set under the config's data_dir (or DATA_DIR)
@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from bench.common import find_data, machine_label
-from networks.vit import training_flops_per_sample, vit_from_params
+from networks import build_model, training_flops
 from utils import comm
 from utils.cli import build_parser, load_params
 from utils.run.setup import seed_everything, set_batch_sizes
@@ -94,7 +94,7 @@ class StepRunner:
     def __init__(self, label: str, params: Any, device: torch.device):
         self.label, self.params, self.device = label, params, device
         seed_everything(params.seed)
-        model = wrap_model(vit_from_params(params).to(device), params, device)
+        model = wrap_model(build_model(params).to(device), params, device)
         self.run = build_training(params, device, model)
         self.model, self.scheduler = self.run.model, self.run.scheduler
         self.loader, self.sampler = self.run.train_loader, self.run.train_sampler
@@ -287,9 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = find_data(base)
     data_paths = {k: base[k] for k in DATA_PATH_KEYS}
     log_dir = tempfile.mkdtemp(prefix="bench_step_logs_")  # run logs nobody reads
-    flops = training_flops_per_sample(tuple(base.img_size), base.patch_size,
-                                      base.n_in_channels, base.n_out_channels, base.embed_dim,
-                                      base.depth)
+    flops = training_flops(base)
     if args.table:
         cases, overrides = [], {}
         for label, change in LADDER:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from utils.precision import attention
+from utils.precision import attention, patch_conv
 
 
 class PatchEmbed(nn.Module):
@@ -27,15 +27,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # fp32 on CPU: torch 2.13's oneDNN AMX kernel for this bf16 convolution (kernel =
-            # stride = 8, >= 16 input channels) returns wrong outputs (relative error ~1 on
-            # Sapphire Rapids; its backward and all bf16 matmuls are right). The patch
-            # embedding is a few percent of a step.
-            with torch.autocast("cpu", enabled=False):
-                x = self.proj(x.float())
-        else:
-            x = self.proj(x)
+        x = patch_conv(self.proj, x)  # fp32 on CPU: see utils.precision.patch_conv
         # (B, N, D). Made contiguous once here: a transposed token stream would stay
         # transposed through every residual add and make each LayerNorm (forward and
         # backward) copy its input, ~3% of a CPU step.

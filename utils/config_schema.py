@@ -176,11 +176,28 @@ def _check_splits(c: Config) -> None:
         if getattr(c, key) > n:
             raise ValueError(f"{key} {getattr(c, key)} is larger than the {n} token {what} "
                              f"of img_size {H}x{W} with patch_size {p}")
+    if c.model == "afno" and c.w_parallel_size > c.num_blocks:
+        # the spectrum's channels are split over w in whole blocks, at least one per rank
+        raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
+                         f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
     sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
     missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
     if missing:
         raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
                          "whose size is > 1")
+
+
+def _check_layout(c: Config) -> None:
+    # Each model has its own model parallelism: the ViT splits matmuls and the sequence
+    # (tp, cp), the AFNO splits its grid over the h x w mesh (a distributed FFT).
+    h, w = c.h_parallel_size, c.w_parallel_size
+    if c.model == "afno" and c.tp * c.cp > 1:
+        raise ValueError(f"model afno splits its grid over h_parallel_size x w_parallel_size, "
+                         f"not tp/cp: got tp {c.tp}, cp {c.cp} (use --h_parallel_size, "
+                         "--w_parallel_size)")
+    if c.model == "vit" and h * w > 1:
+        raise ValueError(f"h_parallel_size {h} x w_parallel_size {w} split the AFNO's grid; "
+                         "model vit is split with tp and cp (or use model afno)")
 
 
 class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
@@ -190,6 +207,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
     def _consistent(self) -> Config:
         _check_patches(self)
         _check_widths(self)
+        _check_layout(self)
         _check_splits(self)
         return self
 

@@ -28,6 +28,7 @@ from utils.run.profiling import StepProfiler
 from utils.run.progress import Progress
 from utils.run.run_log import RunLog
 from utils.run.setup import experiment_dir
+from utils.tile import Tile
 
 # ----------------------------------------------------------------------------- optimizer
 
@@ -104,6 +105,7 @@ class Training:
     exp_dir: str
     steps_per_epoch: int
     resumed: bool = False
+    tile: Tile | None = None  # spatial parallelism: this rank's part of the grid
 
     @property
     def last_epoch(self) -> int:
@@ -136,15 +138,17 @@ class Training:
 
 def build_training(params: Any, device: torch.device, model: torch.nn.Module,
                    checkpoint_hooks: dict[str, Callable] | None = None,
-                   capturable: bool = False) -> Training:
+                   capturable: bool = False, tile: Tile | None = None) -> Training:
     """Loaders, optimizer, schedule, loss scaling, checkpoints (resumed if asked), profiler
-    and logs for `model` (already on `device`, wrapped by `wrap_model`)."""
+    and logs for `model` (already on `device`, wrapped by `wrap_model`). With a `tile`
+    (spatial parallelism) the loaders read only that part of every field."""
     exp_dir = experiment_dir(params, comm.get_world_size(), device)
     # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (utils/run/preemption.py).
     # Installed before the data loaders fork their workers, which inherit the handler.
     stop = StopSignal()
-    # Every data-parallel rank reads its own shard of each epoch.
-    shard = {"num_replicas": comm.get_size("dp"), "rank": comm.get_rank("dp")}
+    # Every data-parallel rank reads its own shard of each epoch (the ranks of a model-
+    # parallel group the same one: on a spatial mesh, each its tile of the same samples).
+    shard = {"num_replicas": comm.get_size("dp"), "rank": comm.get_rank("dp"), "tile": tile}
     train_loader, _, train_sampler = get_loader(params, params.train_data_path, train=True,
                                                 **shard)
     if len(train_loader) == 0:
@@ -173,21 +177,23 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
         prof=StepProfiler(device, exp_dir, rank=comm.get_world_rank()),
         log=RunLog(exp_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
         guard=RunGuard(params, device, ckpt, stop), progress=progress, exp_dir=exp_dir,
-        steps_per_epoch=len(train_loader), resumed=bool(resume))
+        steps_per_epoch=len(train_loader), resumed=bool(resume), tile=tile)
 
 
 # ----------------------------------------------------------------------------- the step
 
 def train_step(run: Training, inp: torch.Tensor, tar: torch.Tensor,
-               after_backward: Callable[[torch.nn.Module], None] | None = None
+               after_backward: Callable[[torch.nn.Module], None] | None = None,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = l2_loss
                ) -> torch.Tensor:
     """One optimizer step: forward under autocast, scaled backward, optimizer step.
     `after_backward(model)` runs between backward and the update (train_mp.py: the
-    model-parallel gradient reduction)."""
+    model-parallel gradient reduction); `loss_fn` is the loss (train_mp.py on a spatial
+    mesh: the loss of tiles, summed over the mesh)."""
     prof = run.prof
     with prof.range("forward"):
         with autocast(run.params, run.device):
-            loss = l2_loss(run.model(inp), tar)
+            loss = loss_fn(run.model(inp), tar)
     with prof.range("backward"):
         run.scaler.scale(loss).backward()
     if after_backward is not None:

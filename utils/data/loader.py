@@ -2,7 +2,9 @@
 
 <data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
 (n_samples, channels, H, W); samples are 6 hours apart. Fields are normalised with the
-global per-channel means and standard deviations and cropped to `img_size`.
+global per-channel means and standard deviations and cropped to `img_size`. With a `tile`
+(spatial parallelism) a rank reads only its block of rows and columns of that grid: an HDF5
+hyperslab read, so its memory and read volume shrink with the mesh.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from utils.errors import DataError
+from utils.tile import Tile
 
 
 def list_year_files(path: str) -> list[str]:
@@ -46,14 +49,18 @@ def load_stats(path: str, channels: int, name: str) -> np.ndarray:
 
 
 class ERA5Dataset(Dataset):
-    """Sample i -> (normalised fields at t, normalised fields at t + dt), each (C, H, W)."""
+    """Sample i -> (normalised fields at t, normalised fields at t + dt), each (C, H, W), or
+    (C, rows, cols) of `tile` (a block of the `img_size` grid)."""
 
-    def __init__(self, params: Any, location: str, train: bool):
+    def __init__(self, params: Any, location: str, train: bool, tile: Tile | None = None):
         self.location = location
         self.train = train
         self.dt = int(params.dt)
         self.n_channels = int(params.n_in_channels)
         self.img_size = tuple(int(s) for s in params.img_size)
+        self.tile = tile or Tile.whole(self.img_size)
+        if self.tile.grid != self.img_size:
+            raise ValueError(f"tile of a {self.tile.grid} grid, img_size is {self.img_size}")
         self.files = list_year_files(location)
         self.samples_per_file = []
         for path in self.files:
@@ -114,12 +121,13 @@ class ERA5Dataset(Dataset):
         return self._handles[file_idx]
 
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Raw (un-normalised, cropped) input and target arrays."""
+        """Raw (un-normalised) input and target arrays of the tile (default: the `img_size`
+        crop). Slicing the h5py dataset reads only that hyperslab from the file."""
         file_idx, local = self.locate(index)
-        H, W = self.img_size
+        rows, cols = self.tile.rows, self.tile.cols
         fields = self._fields(file_idx)
-        inp = fields[local, :, :H, :W]
-        tar = fields[local + self.dt, :, :H, :W]
+        inp = fields[local, :, rows, cols]
+        tar = fields[local + self.dt, :, rows, cols]
         return inp, tar
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,34 +172,37 @@ class ShardSampler(DistributedSampler):
 
 
 def dataset_and_sampler(params: Any, location: str, train: bool, num_replicas: int = 1,
-                        rank: int = 0) -> tuple[ERA5Dataset, ShardSampler]:
+                        rank: int = 0, tile: Tile | None = None
+                        ) -> tuple[ERA5Dataset, ShardSampler]:
     """The dataset and its seeded shard sampler, shared by the PyTorch and DALI loaders."""
-    dataset = ERA5Dataset(params, location, train)
+    dataset = ERA5Dataset(params, location, train, tile)
     sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
                            rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
                            drop_last=train)
     return dataset, sampler
 
 
-def get_loader(params: Any, location: str, train: bool, num_replicas: int = 1, rank: int = 0):
+def get_loader(params: Any, location: str, train: bool, num_replicas: int = 1, rank: int = 0,
+               tile: Tile | None = None):
     """The loader `params.data_loader_config` names ('pytorch' or 'dali'): returns
-    (loader, dataset, sampler). Data-parallel ranks pass their dp rank and size."""
+    (loader, dataset, sampler). Data-parallel ranks pass their dp rank and size; spatially
+    parallel ranks their `tile` (the ranks of one mesh read the same samples)."""
     if params.data_loader_config == "dali":
         from utils.data.dali import get_data_loader_dali  # optional dependency: import on use
 
-        return get_data_loader_dali(params, location, train, num_replicas, rank)
-    return get_data_loader(params, location, train, num_replicas, rank)
+        return get_data_loader_dali(params, location, train, num_replicas, rank, tile)
+    return get_data_loader(params, location, train, num_replicas, rank, tile)
 
 
 def get_data_loader(params: Any, location: str, train: bool, num_replicas: int = 1,
-                    rank: int = 0):
+                    rank: int = 0, tile: Tile | None = None):
     """The PyTorch DataLoader: returns (loader, dataset, sampler).
 
     The sampler is always a seeded `ShardSampler` (one replica when not distributed)
     so that the sample order depends only on (seed, epoch) and data-parallel ranks read
     disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
     """
-    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank)
+    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank, tile)
     workers = int(params.num_data_workers)
     loader = DataLoader(
         dataset,
