@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 FORMAT = "era5-vit-checkpoint"
 VERSION = 1
 # Config keys that must match for the saved tensors to fit the model.
-MODEL_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
-              "n_in_channels", "n_out_channels")
+MODEL_KEYS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_heads",
+              "num_blocks", "mlp_ratio", "n_in_channels", "n_out_channels")
 REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
             "epoch_step", "rng")
 
