@@ -36,6 +36,7 @@ import torch.distributed as dist
 from utils import comm
 from utils.errors import CheckpointError, DivergedError
 from utils.model_wrappers import unwrap
+from utils.run.disk import free_bytes, human_bytes
 from utils.run.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -98,20 +99,43 @@ def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> s
     `--resume auto` had been given. Rank 0 decides and tells the others, so that every rank
     loads the same file even if a save lands while they look.
     """
-    choice = None
+    choice, error = None, None
     if comm.get_world_rank() == 0:
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         if resume is None and requeue and restarts > 0:
             log.info(f"SLURM restart {restarts} of a --requeue job: resuming")
             resume = "auto"
         if resume == "auto":
-            choice = latest_checkpoint(exp_dir)
-            if choice is None:
+            try:
+                choice = newest_intact_checkpoint(exp_dir)
+            except CheckpointError as e:
+                error = str(e)
+            if choice is None and error is None:
                 log.info(f"--resume: no checkpoint in {checkpoint_dir(exp_dir)}, "
                          "starting from scratch")
         else:
             choice = resume
-    return comm.broadcast_from_rank0(choice)
+    choice, error = comm.broadcast_from_rank0((choice, error))
+    if error:  # every rank stops, with rank 0's message
+        raise CheckpointError(error, every_rank=True)
+    return choice
+
+
+def newest_intact_checkpoint(exp_dir: str) -> str | None:
+    """The newest checkpoint whose bytes are intact (`damage`); a damaged one (cut short by
+    a full disk, a bit flipped on the way) is skipped with a warning. None: there are no
+    checkpoints; CheckpointError: there are, but none is intact."""
+    files = list_checkpoints(exp_dir)
+    for path in reversed(files):
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning(f"--resume: skipping {path}, it is damaged: {problem}")
+    if not files:
+        return None
+    raise CheckpointError(f"--resume: none of the {len(files)} checkpoints in "
+                          f"{checkpoint_dir(exp_dir)} is intact (see the warnings above); "
+                          "resume from a copy with --resume PATH, or start afresh")
 
 
 # ------------------------------------------------------------------ RNG states
@@ -240,18 +264,36 @@ def prune(exp_dir: str, keep: int) -> None:
             os.remove(stray)
 
 
+def damage(path: str) -> str | None:
+    """What is wrong with the bytes of checkpoint file `path`, or None if they are intact.
+
+    torch.save writes a zip archive with a CRC-32 of every record, and its directory at the
+    end of the file: a truncated file, an empty one or random bytes are not a readable zip,
+    and a flipped bit inside a tensor fails its record's CRC. torch.load checks neither, so
+    a damaged checkpoint would load as garbage and the run would go on from it.
+    """
+    if not zipfile.is_zipfile(path):
+        return (f"not a complete torch.save file ({os.path.getsize(path)} bytes; truncated, "
+                "or not a checkpoint)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record and checks its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"a damaged zip archive ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if bad is not None:
+        return f"record {bad} fails its CRC check (the file was damaged after it was written)"
+    return None
+
+
 def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
     """Load and check a checkpoint; any problem is a one-line CheckpointError."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} is not a file")
-    # torch.save writes a zip archive whose directory is at the end of the file: a truncated
-    # file, an empty one or random bytes are not a readable zip.
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"checkpoint {path} is unreadable: not a complete torch.save "
-                              f"file ({os.path.getsize(path)} bytes; truncated, or not a "
-                              "checkpoint)")
+    problem = damage(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {problem}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged archive, or objects other than tensors/plain values
@@ -304,6 +346,27 @@ class Checkpointer:
         of this directory beyond that point are set aside (see `set_aside_newer`)."""
         if comm.get_world_rank() == 0:
             set_aside_newer(self.exp_dir, iters)
+
+    def check_room(self) -> None:
+        """Stop now, not at the first checkpoint hours later, if the disk cannot hold
+        `checkpoint_keep` checkpoints plus the one being written (collective; rank 0
+        looks). The size is this rank's parameters and Adam's two moments in fp32: a lower
+        bound when the model is sharded."""
+        error = None
+        if comm.get_world_rank() == 0:
+            directory = checkpoint_dir(self.exp_dir)
+            each = 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+            files = max(self.keep + 1 - len(list_checkpoints(self.exp_dir)), 1)
+            free = free_bytes(directory)
+            if free < files * each:
+                error = (f"not enough room for checkpoints in {directory}: "
+                         f"{human_bytes(free)} free, {files} more checkpoint(s) of about "
+                         f"{human_bytes(each)} need {human_bytes(files * each)} "
+                         f"(checkpoint_keep {self.keep}, plus one being written): free "
+                         "space there, set LOG_DIR to another disk, or lower checkpoint_keep")
+        error = comm.broadcast_from_rank0(error)
+        if error:
+            raise CheckpointError(error, every_rank=True)
 
     def _device(self) -> torch.device:
         return next(unwrap(self.model).parameters()).device
@@ -359,7 +422,7 @@ class Checkpointer:
         error = comm.broadcast_from_rank0(error)
         if error:
             comm.settle()  # every rank raises now and exits
-            raise CheckpointError(error)
+            raise CheckpointError(error, every_rank=True)
         self.last_saved = path
         return path if rank == 0 else None
 

@@ -1,5 +1,5 @@
 """How a train script ends: user errors (bad config, data, flags) with one line, not a
-traceback, and every ending with torch.distributed shut down cleanly."""
+traceback, once per job, and every ending with torch.distributed shut down cleanly."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from utils import comm
-from utils.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from utils.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError, from_worker
+from utils.run import error_report, signals
 
 
 def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoReturn:
     """Run a script's `main(argv)` and exit: 0 when it returns, its own code when it calls
     sys.exit (e.g. preempted), 2 with one `error:` line for a user error (`UserError`).
+
+    In a job of several ranks one rank prints the line (utils/run/error_report.py); a rank
+    that fails only because another rank reported a user error and left (its collectives
+    find the connection closed) exits 2 quietly.
 
     Every such ending first shuts torch.distributed down (`comm.shutdown`). That happens
     after the `try`, where the exception and the frames its traceback held (the model, and
@@ -25,10 +30,19 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
     try:
         main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        signals.end_startup()  # ending anyway: a signal now must not add a second line
+        error_report.report(e)
         code = EXIT_USER_ERROR
     except SystemExit as e:
         code = e.code
+    except Exception as e:
+        user_error = from_worker(e)  # a DALI worker's UserError, as a traceback in text
+        if user_error is not None:
+            signals.end_startup()
+            error_report.report(user_error)
+        elif not (comm.is_distributed() and error_report.reported_by_another_rank()):
+            raise
+        code = EXIT_USER_ERROR  # printed here, or by the rank that failed first
     if code in (0, None, EXIT_PREEMPTED):
         comm.settle()
     comm.shutdown()
