@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from utils.errors import UserError
+from utils.errors import ConfigError, UserError
 from utils.launch_env import resolve_launch_env
 from utils.YParams import YParams
 
 
 class FlagParser(argparse.ArgumentParser):
     """argparse's parser; in a job of several processes only rank 0 prints a bad flag's usage
-    and `error:` lines (every rank parses the same command line, and fails alike)."""
+    and `error:` lines (every rank parses the same command line, and fails alike): the
+    others raise the ConfigError that run_main leaves to rank 0."""
 
     def error(self, message: str):
         try:
@@ -19,7 +20,7 @@ class FlagParser(argparse.ArgumentParser):
         except UserError:  # a broken launcher environment: say it from every rank
             rank = 0
         if rank != 0:
-            self.exit(2)
+            raise ConfigError(message)
         super().error(message)
 
 

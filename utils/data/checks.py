@@ -42,8 +42,10 @@ def _what(values: np.ndarray) -> str:
 # ----------------------------------------------------------------------------- statistics
 
 def check_stats(stats: np.ndarray, path: str, name: str, positive: bool = False) -> np.ndarray:
-    """`stats` (1, C, ...) unchanged if every value is finite (and > 0 with `positive`);
-    otherwise a DataError naming the file and the first bad channel."""
+    """`stats` (1, C, ...) as float32 if every value is finite there (and > 0 with
+    `positive`); otherwise a DataError naming the file and the first bad channel."""
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range: inf, caught below
+        stats = stats.astype(np.float32)
     values = stats[0]
     bad = ~np.isfinite(values)
     if bad.any():

@@ -43,7 +43,7 @@ def load_stats(path: str, channels: int, name: str) -> np.ndarray:
     if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
         raise DataError(f"{name} {path} has shape {stats.shape}, "
                         f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
-    return check_stats(stats[:, :channels].astype(np.float32), path, name)
+    return check_stats(stats[:, :channels], path, name)
 
 
 def load_stds(path: str, channels: int) -> np.ndarray:

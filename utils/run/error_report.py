@@ -34,6 +34,7 @@ from utils.launch_env import resolve_launch_env
 KEY = "user_error_reported_by_rank"
 STORE_TIMEOUT = timedelta(seconds=10)
 WAIT_FOR_RANK0 = 5.0  # seconds a rank waits for rank 0 to claim an every-rank error
+LINGER = 3.0  # seconds a quiet rank waits before it exits
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -106,10 +107,18 @@ def error_line(error: UserError) -> str:
     return f"error: {who}{message_of(error)}"
 
 
-def report(error: UserError) -> None:
-    """Print `error`'s one line on stderr if this rank is the one to print it."""
-    if should_print(error):
-        print(error_line(error), file=sys.stderr, flush=True)
+def report(error: UserError) -> bool:
+    """Print `error`'s one line on stderr if this rank is the one to print it (True)."""
+    if not should_print(error):
+        return False
+    print(error_line(error), file=sys.stderr, flush=True)
+    return True
+
+
+def linger(seconds: float = LINGER) -> None:
+    """A rank that stays quiet leaves after the one that printed: launchers name the first
+    process to exit as the failure's root cause (torchrun's summary, srun's message)."""
+    time.sleep(seconds)
 
 
 def reported_by_another_rank() -> bool:
