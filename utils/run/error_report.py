@@ -68,11 +68,12 @@ def _claim(store: dist.Store, rank: int) -> int | None:
         return None
 
 
-def _claimed(store: dist.Store) -> bool:
+def _claimed(store: dist.Store) -> bool | None:
+    """Whether some rank has claimed the report; None when the store does not answer."""
     try:
         return store.check([KEY])
-    except Exception:  # noqa: BLE001
-        return False
+    except Exception:  # noqa: BLE001 - the store's host is gone
+        return None
 
 
 def should_print(error: UserError) -> bool:
@@ -90,8 +91,8 @@ def should_print(error: UserError) -> bool:
             return False  # before the process group: rank 0 read the same config
         deadline = time.monotonic() + WAIT_FOR_RANK0
         while time.monotonic() < deadline:
-            if _claimed(store):
-                return False
+            if _claimed(store) is not False:  # claimed, or rank 0 (the store's host) has
+                return False                  # already printed and left
             time.sleep(0.05)
         return True  # rank 0 said nothing: better this rank than none
     if store is None:
@@ -125,7 +126,7 @@ def reported_by_another_rank() -> bool:
     """Whether another rank of this job has already reported a user error: then this rank's
     own failure (e.g. a collective whose peer has exited) is a consequence, not news."""
     store = _store()
-    if store is None or not _claimed(store):
+    if store is None or not _claimed(store):  # no store, no claim, or no answer
         return False
     try:
         return int(store.get(KEY)) != comm.get_world_rank()
