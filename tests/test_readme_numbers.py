@@ -29,7 +29,7 @@ def steps_per_epoch(config: str) -> int:
 
 
 def test_the_profiled_cpu_short_epoch_has_the_steps_the_readme_says():
-    claimed = re.search(r"`cpu_short`, profiled epoch 4 = (\d+) steps", README)
+    claimed = re.search(r"`cpu_short`,\s+profiled epoch 4 = (\d+) steps", README)
     assert claimed, "the profiling section no longer states the steps of its epoch"
     assert int(claimed.group(1)) == steps_per_epoch("cpu_short") == 15
 
