@@ -9,7 +9,7 @@ mismatched collectives would hang or mix up their data.
 
   - An error every rank raises alike (`UserError.every_rank`: a config error, or one the
     ranks agreed on by a collective) is printed by rank 0. Another rank waits a moment for
-    rank 0's claim and prints it itself only if none comes.
+    rank 0's claim, and prints it itself only if none comes while the store answers.
   - Any other user error is printed by the first rank to claim the store's key, as
     `error: rank k: ...`; the others stay silent.
   - A rank that then fails because its peer has gone (a collective on a closed connection)
@@ -17,6 +17,8 @@ mismatched collectives would hang or mix up their data.
   - No store (before the process group exists, or its host has exited): the rank prints.
     Before the process group exists the ranks have read the same config and flags, so an
     `every_rank` error is left to rank 0.
+  - The silent ranks leave `LINGER` seconds after the one that printed: launchers report the
+    first process to exit as the root cause.
 """
 
 from __future__ import annotations
