@@ -10,6 +10,13 @@ What a run is made of (loaders, optimizer, checkpoints, ...) is built by
 train_mp.py reuses `train()` and changes only the model and the step.
 """
 
+if __name__ == "__main__":
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
+    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
+    from utils.run.signals import stop_during_startup
+
+    stop_during_startup()
+
 import logging
 import os
 import sys

@@ -20,6 +20,13 @@ World = tp x cp x h x w x dp; dp is what is left. What changes from train.py, an
 The training loop is train.py's `train()`.
 """
 
+if __name__ == "__main__":
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
+    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
+    from utils.run.signals import stop_during_startup
+
+    stop_during_startup()
+
 import functools
 import logging
 import sys

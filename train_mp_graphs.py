@@ -20,6 +20,13 @@ this file adds on top of train_mp.py:
 Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
+if __name__ == "__main__":
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
+    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
+    from utils.run.signals import stop_during_startup
+
+    stop_during_startup()
+
 import logging
 import sys
 

@@ -310,6 +310,17 @@ def assert_completed(run: TrainRun, iters: int | None = None, epochs: int | None
         assert run.stdout.count(line) == epochs, (line, run.stdout[-3000:])
 
 
+def assert_one_error_line(run: TrainRun, words: Sequence[str]) -> str:
+    """Exit 2, no traceback, exactly one `error:` line on stderr, naming every word."""
+    assert run.returncode == 2, f"exit {run.returncode}\n{run.output[-3000:]}"
+    assert "Traceback" not in run.output, run.output[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, run.stderr
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return errors[0]
+
+
 def losses(run: TrainRun) -> dict[str, list[float]]:
     """The losses a train script logs: the untrained model's validation loss, then one
     train and one validation loss per epoch (nan / inf read as such)."""

@@ -138,6 +138,7 @@ def test_two_ddp_ranks_log_the_same_losses_as_one_process(serial_reference, ddp)
     assert_completed(ddp, ITERS)
     assert "world size 2 (env launcher), global batch 4, local batch 2" in ddp.stdout
     assert f"{ITERS} iterations, {TINY_ITERS_PER_EPOCH} per epoch" in ddp.stdout
+    assert "FutureWarning" not in ddp.output  # DDP built with PyTorch's current arguments
     got, want = losses(ddp), losses(serial_reference)
     assert len(want["train"]) == len(want["val"]) == ITERS // TINY_ITERS_PER_EPOCH
     for key in want:
@@ -158,6 +159,7 @@ def test_bucket_size_and_broadcast_flags_do_not_change_the_training(tiny_data,
     run = train(tiny_data, tmp_path_factory.mktemp("ddp_flags"), "--bucket_cap_mb=1",
                 "--disable_broadcast_buffers", nproc=2)
     assert_completed(run, ITERS)
+    assert "FutureWarning" not in run.output
     assert_same_training(run, ddp, world_size=2, ref_world_size=2)
 
 

@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import argparse
 
+from utils.errors import ConfigError, UserError
+from utils.launch_env import resolve_launch_env
 from utils.YParams import YParams
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser; in a job of several processes only rank 0 prints a bad flag's usage
+    and `error:` lines (every rank parses the same command line, and fails alike): the
+    others raise the ConfigError that run_main leaves to rank 0."""
+
+    def error(self, message: str):
+        try:
+            rank = resolve_launch_env().rank
+        except UserError:  # a broken launcher environment: say it from every rank
+            rank = 0
+        if rank != 0:
+            raise ConfigError(message)
+        super().error(message)
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = FlagParser(description=description)
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
     p.add_argument("--run_num", default=None, type=str,

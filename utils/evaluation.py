@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from utils import comm
-from utils.data.loader import load_stats
+from utils.data.loader import load_stats, load_stds
 from utils.errors import DataError
 from utils.precision import autocast
 from utils.tile import Tile
@@ -118,8 +118,7 @@ class Normaliser:
         # load_stats: a missing file or a wrong shape is a one-line DataError.
         self.means = torch.from_numpy(
             load_stats(params.global_means_path, C, "global means")).to(device)
-        self.stds = torch.from_numpy(
-            load_stats(params.global_stds_path, C, "global stds")).to(device)
+        self.stds = torch.from_numpy(load_stds(params.global_stds_path, C)).to(device)
         clim = load_stats(params.time_means_path, C, "time means")
         if clim.shape[2] < H or clim.shape[3] < W:
             raise DataError(f"time means {params.time_means_path} are {clim.shape[2]}x"

@@ -8,6 +8,7 @@ train.py, where a reader follows it top to bottom.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from utils import comm
+from utils.data.checks import BatchScan
 from utils.data.loader import get_loader
 from utils.errors import ConfigError, DataError
 from utils.evaluation import Normaliser, l2_loss
@@ -72,13 +74,22 @@ def wrap_model(model: torch.nn.Module, params: Any, device: torch.device) -> tor
             model = DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=comm.get_group("dp"), bucket_cap_mb=params.bucket_cap_mb,
-                broadcast_buffers=not params.disable_broadcast_buffers,
-                gradient_as_bucket_view=params.disable_broadcast_buffers)
+                gradient_as_bucket_view=params.disable_broadcast_buffers,
+                **buffer_sync(not params.disable_broadcast_buffers))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
     if params.enable_jit:
         model = torch.compile(model)
     return model
+
+
+def buffer_sync(each_forward: bool) -> dict[str, bool]:
+    """DDP's argument for broadcasting buffers from rank 0 at every forward: named
+    `forward_sync_buffers` since PyTorch 2.13 (`broadcast_buffers` warns there), and
+    `broadcast_buffers` before (the oldest PyTorch this code supports is 2.7.1)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": each_forward}
+    return {"broadcast_buffers": each_forward}
 
 
 # ----------------------------------------------------------------------------- run state
@@ -160,6 +171,7 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
     scaler = grad_scaler(params, device)
     ckpt = Checkpointer(exp_dir, params, model, optimizer, scheduler, scaler,
                         **(checkpoint_hooks or {}))
+    ckpt.check_room()  # a disk too full for the checkpoints stops the run now
     progress = Progress(loss_sum=torch.zeros((), device=device))
     resume = resolve_resume(params.resume, exp_dir, requeue=params.requeue)
     if resume:
@@ -176,7 +188,9 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
         val_loader=val_loader, norm=Normaliser(params, device), ckpt=ckpt,
         prof=StepProfiler(device, exp_dir, rank=comm.get_world_rank()),
         log=RunLog(exp_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
-        guard=RunGuard(params, device, ckpt, stop), progress=progress, exp_dir=exp_dir,
+        guard=RunGuard(params, device, ckpt, stop,
+                       scan=BatchScan(train_loader.dataset, train_sampler)),
+        progress=progress, exp_dir=exp_dir,
         steps_per_epoch=len(train_loader), resumed=bool(resume), tile=tile)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from utils.data.checks import FieldsReader, check_dtypes, check_stats
 from utils.errors import DataError
 from utils.tile import Tile
 
@@ -45,7 +46,13 @@ def load_stats(path: str, channels: int, name: str) -> np.ndarray:
     if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
         raise DataError(f"{name} {path} has shape {stats.shape}, "
                         f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
-    return stats[:, :channels].astype(np.float32)
+    return check_stats(stats[:, :channels], path, name)
+
+
+def load_stds(path: str, channels: int) -> np.ndarray:
+    """The global standard deviations: `load_stats`, and every one > 0."""
+    return check_stats(load_stats(path, channels, "global stds"), path, "global stds",
+                       positive=True)
 
 
 class ERA5Dataset(Dataset):
@@ -65,6 +72,7 @@ class ERA5Dataset(Dataset):
         self.samples_per_file = []
         for path in self.files:
             self.samples_per_file.append(self._check_file(path))
+        check_dtypes(self.files)
         self.offsets = np.cumsum([0] + self.samples_per_file)
         self.n_samples = int(self.offsets[-1])
         limit = params.limit_nsamples if train else params.limit_nsamples_val
@@ -73,12 +81,12 @@ class ERA5Dataset(Dataset):
         if self.n_samples <= 0:
             raise DataError(f"{location} has no (t, t+{self.dt}) sample pairs")
         means = load_stats(params.global_means_path, self.n_channels, "global means")
-        stds = load_stats(params.global_stds_path, self.n_channels, "global stds")
+        stds = load_stds(params.global_stds_path, self.n_channels)
         if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
             raise DataError(f"global means/stds must be (1, {self.n_channels}, 1, 1), got "
                             f"{means.shape} and {stds.shape}")
         self.means, self.stds = means[0], stds[0]  # (C, 1, 1)
-        self._handles: list[h5py.Dataset | None] = [None] * len(self.files)
+        self._handles: list[FieldsReader | None] = [None] * len(self.files)
         self._pid = None
 
     def _check_file(self, path: str) -> int:
@@ -117,7 +125,8 @@ class ERA5Dataset(Dataset):
         if self._handles[file_idx] is None:
             # Keep the dataset object, not just the file: looking "fields" up per sample
             # rebuilds h5py's per-dataset state, ~0.4 ms of every sample read.
-            self._handles[file_idx] = h5py.File(self.files[file_idx], "r")["fields"]
+            path = self.files[file_idx]
+            self._handles[file_idx] = FieldsReader(h5py.File(path, "r")["fields"], path)
         return self._handles[file_idx]
 
     def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
