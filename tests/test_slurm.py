@@ -175,7 +175,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dataset(workdir):
     out = workdir / "data"
-    r = subprocess.run([sys.executable, "-m", "utils.synthetic_data", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "utils.data.synthetic", "--out", str(out),
                         "--img_size", "16", "32", "--samples_per_year", "32"],
                        cwd=REPO, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
