@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from utils import comm
 from utils.errors import EXIT_PREEMPTED, DataError, DivergedError
 from utils.run.preemption import StopSignal, requeue_slurm_job
+
+if TYPE_CHECKING:
+    from utils.data.checks import BatchScan
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class RunGuard:
     (one on CPU, up to NonFiniteLoss.GPU_CHECK_EVERY on a GPU) to tell it which batch."""
 
     def __init__(self, params: Any, device: torch.device, ckpt: Any, stop: StopSignal,
-                 scan: Any = None):
+                 scan: BatchScan | None = None):
         self.params, self.device, self.ckpt, self.stop = params, device, ckpt, stop
         self.interval = int(params.checkpoint_interval or 0)
         self.nonfinite = NonFiniteLoss(device)
