@@ -211,6 +211,7 @@ def test_tp2_fine_tunes_on_rollouts_like_train_py(trained_checkpoint, tiny_data,
     tp2 = fine_tune("train_mp.py", tiny_data, tmp_path_factory, ckpt, "--tp=2", nproc=2)
     for run in (serial, tp2):
         assert_completed(run, TINY_ITERS)
+        assert "rollout_steps: 2" in run.stdout
         assert "Fine-tuning: weights from" in run.stdout
         # Iteration 0 starts from the trained weights: its validation is the trained run's last.
         assert losses(run)["initial"] == [losses(trained)["val"][-1]]
@@ -261,3 +262,15 @@ def _spatial_rollout(h: int, w: int) -> None:
 @pytest.mark.distributed
 def test_a_rollout_on_an_h2_mesh_has_the_serial_loss_and_gradients() -> None:
     run_distributed(_spatial_rollout, 2, 2, 1)
+
+
+@pytest.mark.e2e
+def test_init_from_a_missing_checkpoint_stops_train_py_with_one_error_line(tiny_data,
+                                                                          tmp_path_factory):
+    missing = tmp_path_factory.mktemp("nothing") / "ckpt_00000008.pt"
+    run = run_script("train.py", ["--config=tiny", f"--init_from={missing}"],
+                     data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("logs"), timeout=120)
+    assert run.returncode == 2, run.output[-3000:]
+    assert "Traceback" not in run.output, run.output[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"checkpoint {missing} not found" in errors[0], run.stderr
