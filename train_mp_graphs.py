@@ -38,6 +38,7 @@ from distributed.helpers import sync_shared_gradients
 from utils.evaluation import l2_loss
 from utils.precision import autocast
 from utils.run.main import run_main
+from utils.training import rollout_loss
 
 log = logging.getLogger("train_mp_graphs")
 
@@ -52,7 +53,10 @@ class GraphedStep:
         """What the graph holds: train_mp.py's step without the eager-only parts."""
         loss_fn = spatial_metrics.l2_loss if run.tile is not None else l2_loss
         with autocast(run.params, run.device):
-            loss = loss_fn(run.model(inp), tar)
+            if tar.dim() == inp.dim():
+                loss = loss_fn(run.model(inp), tar)
+            else:  # rollout_steps K > 1: the K-step loss (its K model calls in one graph)
+                loss = rollout_loss(run.model, inp, tar, loss_fn)
         run.scaler.scale(loss).backward()
         sync_shared_gradients(run.model)
         if not run.scaler.is_enabled():
@@ -68,7 +72,9 @@ class GraphedStep:
             grid = run.tile.shape if run.tile is not None else p.img_size  # this rank's fields
             shape = (int(p.local_batch_size), int(p.n_in_channels), *grid)
             self.static_inp = torch.randn(shape, device=device)
-            self.static_tar = torch.randn(shape, device=device)
+            steps = int(p.get("rollout_steps", 1) or 1)
+            tar_shape = shape if steps == 1 else (shape[0], steps, *shape[1:])
+            self.static_tar = torch.randn(tar_shape, device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
                 for _ in range(self.warmup_iters):

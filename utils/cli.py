@@ -40,6 +40,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--num_data_workers", type=int, default=None)
     p.add_argument("--data_loader_config", choices=["pytorch", "dali"], default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--rollout_steps", type=int, default=None,
+                   help="train on the loss of K autoregressive steps (default 1)")
+    p.add_argument("--init_from", type=str, default=None,
+                   help="start from this checkpoint's weights (fine-tuning: iteration 0, "
+                        "fresh optimizer)")
     # Data parallelism
     p.add_argument("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size")
     p.add_argument("--disable_broadcast_buffers", action="store_true",
@@ -77,7 +82,7 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
 FLAG_KEYS = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed", "tp",
              "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
              "checkpoint_interval", "checkpoint_keep", "run_num", "local_batch_size",
-             "enable_fused", "enable_jit")
+             "enable_fused", "enable_jit", "rollout_steps", "init_from")
 # Settings of this run only (not config keys): they live in params too, so that the code
 # reads one place.
 RUN_FLAGS = ("resume", "requeue", "noddp", "bucket_cap_mb", "disable_broadcast_buffers")

@@ -87,7 +87,8 @@ class TrainingKeys(Keys):
     """Training"""
 
     dt: PosInt = Field(1, description="6-hour steps between input and target")
-    rollout_steps: PosInt = Field(1, description="autoregressive steps of dt per forecast")
+    rollout_steps: PosInt = Field(
+        1, description="training loss over K autoregressive steps of dt (1: one-step loss)")
     global_batch_size: PosInt = Field(description="samples per optimizer step, over all dp ranks")
     local_batch_size: PosInt | None = Field(
         None, description="samples per rank; if set, global = local x dp size")
@@ -113,6 +114,9 @@ class RunKeys(Keys):
     checkpoint_interval: NonNegInt = Field(
         1000, description="iterations between checkpoints (0: only at the end)")
     checkpoint_keep: PosInt = Field(3, description="newest checkpoints kept")
+    init_from: PathStr | None = Field(
+        None, description="checkpoint whose weights start a fine-tune (iteration 0, fresh "
+                          "optimizer and schedule; --resume wins)")
 
 
 class DataKeys(Keys):
@@ -187,6 +191,12 @@ def _check_splits(c: Config) -> None:
                          "whose size is > 1")
 
 
+def _check_rollout(c: Config) -> None:
+    if c.rollout_steps > 1 and c.data_loader_config == "dali":
+        raise ValueError(f"rollout_steps {c.rollout_steps} needs data_loader_config pytorch "
+                         "(the DALI pipeline reads one target per sample)")
+
+
 def _check_layout(c: Config) -> None:
     # Each model has its own model parallelism: the ViT splits matmuls and the sequence
     # (tp, cp), the AFNO splits its grid over the h x w mesh (a distributed FFT).
@@ -209,6 +219,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
         _check_widths(self)
         _check_layout(self)
         _check_splits(self)
+        _check_rollout(self)
         return self
 
 

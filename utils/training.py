@@ -23,7 +23,9 @@ from utils.data.loader import get_loader
 from utils.errors import ConfigError, DataError
 from utils.evaluation import Normaliser, l2_loss
 from utils.precision import autocast, grad_scaler
+from utils.rollout import rollout
 from utils.run.checkpoint import Checkpointer, resolve_resume
+from utils.run.finetune import load_weights
 from utils.run.guard import RunGuard
 from utils.run.preemption import StopSignal
 from utils.run.profiling import StepProfiler
@@ -174,8 +176,10 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
     ckpt.check_room()  # a disk too full for the checkpoints stops the run now
     progress = Progress(loss_sum=torch.zeros((), device=device))
     resume = resolve_resume(params.resume, exp_dir, requeue=params.requeue)
-    if resume:
+    if resume:  # a resumed fine-tune continues from its own checkpoint, not init_from's
         progress = ckpt.restore(resume)
+    elif params.get("init_from"):
+        load_weights(params.init_from, params, model, ckpt.to_local)
     ckpt.start_at(progress.iters)  # set aside checkpoints of an earlier run beyond this point
     # purge_step: a resumed run first drops the TensorBoard events that the interrupted run
     # wrote after its checkpoint, so that every curve is one line without repeated steps.
@@ -196,6 +200,16 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
 
 # ----------------------------------------------------------------------------- the step
 
+def rollout_loss(model: torch.nn.Module, inp: torch.Tensor, tar: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Mean over k of loss_fn(x_k, target_k), x_k the model applied k times to `inp`
+    (B, C, H, W); `tar` is (B, K, C, H, W). Gradients flow through every step, so the
+    model learns from the errors its own output feeds into the next step."""
+    preds = rollout(model, inp, tar.shape[1])
+    losses = [loss_fn(preds[:, k], tar[:, k]) for k in range(tar.shape[1])]
+    return torch.stack(losses).mean()
+
+
 def train_step(run: Training, inp: torch.Tensor, tar: torch.Tensor,
                after_backward: Callable[[torch.nn.Module], None] | None = None,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = l2_loss
@@ -203,11 +217,15 @@ def train_step(run: Training, inp: torch.Tensor, tar: torch.Tensor,
     """One optimizer step: forward under autocast, scaled backward, optimizer step.
     `after_backward(model)` runs between backward and the update (train_mp.py: the
     model-parallel gradient reduction); `loss_fn` is the loss (train_mp.py on a spatial
-    mesh: the loss of tiles, summed over the mesh)."""
+    mesh: the loss of tiles, summed over the mesh). A target with a step axis (B, K, C, H, W)
+    (`rollout_steps` K > 1) trains on the mean loss of a K-step rollout."""
     prof = run.prof
     with prof.range("forward"):
         with autocast(run.params, run.device):
-            loss = loss_fn(run.model(inp), tar)
+            if tar.dim() == inp.dim():
+                loss = loss_fn(run.model(inp), tar)
+            else:
+                loss = rollout_loss(run.model, inp, tar, loss_fn)
     with prof.range("backward"):
         run.scaler.scale(loss).backward()
     if after_backward is not None:

@@ -1,4 +1,5 @@
-"""PyTorch data loader for the ERA5 layout: (input at t, target at t + dt) pairs.
+"""PyTorch data loader for the ERA5 layout: (input at t, target at t + dt) pairs; for training
+on rollouts (`rollout_steps` K > 1) the targets at t + dt, ..., t + K*dt.
 
 <data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
 (n_samples, channels, H, W); samples are 6 hours apart. Fields are normalised with the
@@ -57,12 +58,15 @@ def load_stds(path: str, channels: int) -> np.ndarray:
 
 class ERA5Dataset(Dataset):
     """Sample i -> (normalised fields at t, normalised fields at t + dt), each (C, H, W), or
-    (C, rows, cols) of `tile` (a block of the `img_size` grid)."""
+    (C, rows, cols) of `tile` (a block of the `img_size` grid). A training set with
+    `rollout_steps` K > 1 gives the K targets at t + dt, ..., t + K*dt stacked as
+    (K, C, H, W); validation stays one step."""
 
     def __init__(self, params: Any, location: str, train: bool, tile: Tile | None = None):
         self.location = location
         self.train = train
         self.dt = int(params.dt)
+        self.steps = int(params.get("rollout_steps", 1) or 1) if train else 1
         self.n_channels = int(params.n_in_channels)
         self.img_size = tuple(int(s) for s in params.img_size)
         self.tile = tile or Tile.whole(self.img_size)
@@ -79,7 +83,7 @@ class ERA5Dataset(Dataset):
         if limit is not None:
             self.n_samples = min(self.n_samples, int(limit))
         if self.n_samples <= 0:
-            raise DataError(f"{location} has no (t, t+{self.dt}) sample pairs")
+            raise DataError(f"{location} has no (t, t+{self.dt * self.steps}) sample pairs")
         means = load_stats(params.global_means_path, self.n_channels, "global means")
         stds = load_stds(params.global_stds_path, self.n_channels)
         if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
@@ -106,7 +110,7 @@ class ERA5Dataset(Dataset):
         if h < self.img_size[0] or w < self.img_size[1]:
             raise DataError(f"{path}: fields are {h}x{w}, smaller than img_size "
                             f"{self.img_size[0]}x{self.img_size[1]}")
-        return max(n - self.dt, 0)
+        return max(n - self.dt * self.steps, 0)  # the last target stays inside the file
 
     def __len__(self) -> int:
         return self.n_samples
@@ -136,7 +140,11 @@ class ERA5Dataset(Dataset):
         rows, cols = self.tile.rows, self.tile.cols
         fields = self._fields(file_idx)
         inp = fields[local, :, rows, cols]
-        tar = fields[local + self.dt, :, rows, cols]
+        if self.steps == 1:
+            tar = fields[local + self.dt, :, rows, cols]
+        else:  # one strided hyperslab read: (K, C, rows, cols)
+            last = local + self.dt * self.steps
+            tar = fields[local + self.dt:last + 1:self.dt, :, rows, cols]
         return inp, tar
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
