@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="use the config's global_batch_size even without a GPU")
     p.add_argument("--threads_per_rank", type=int, default=None,
                    help="torch threads per rank (default: available cores // tp, at least 1)")
-    p.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], default=None)
+    p.add_argument("--amp_mode", choices=["none", "fp16", "bf16", "auto"], default=None)
     p.add_argument("--timeout", type=float, default=900, help="seconds per tp run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)

@@ -1,20 +1,26 @@
-"""Where does a training step's time go? Three timings in one process, interleaved.
+"""Where does a training step's time go, and how close is it to the hardware? One process,
+every timing interleaved.
 
     DATA_DIR=data/synthetic python -m bench.bench_step --config cpu_short
-    python -m bench.bench_step --config cpu_short --amp_mode bf16 --enable_fused --enable_jit
-    python -m bench.bench_step --config cpu_short --table      # the README's optimisation ladder
+    python -m bench.bench_step --config cpu_short --amp_mode auto --enable_fused --enable_jit
+    python -m bench.bench_step --config cpu_short --table --budget_s 120   # the README ladder
 
-(a) ceiling: one 2048 x 2048 x 2048 `torch.mm` in fp32 and in bf16, best of 3 each;
+Per setting:
+(a) ceilings, for the precision the setting computes in (bench/ceilings.py): one n^3
+    `torch.mm` (n = 2048, smaller or skipped where that precision is emulated), and the
+    shape-true ceiling: exactly the GEMMs and attention calls of one of its training steps,
+    replayed back to back;
 (b) bare step: train.py's `train_step` on one random batch kept in memory;
-(c) full step: train.py's loop body: the next batch from the real DataLoader (a new epoch when
+(c) full step: train.py's loop body: the next batch from the real loader (a new epoch when
     one ends), copy in, `train_step`, scheduler step.
-In each of `--repeats` rounds every setting runs (a), a block of `--iters` steps of (b), (a)
-again and a block of (c) (the blocks swap places each round), so (a), (b) and (c) see the
-same machine load; with --table the settings take turns within each round. A block counts
-its median step. The ratios ((c)/(b), fraction of the ceiling) are formed within a round and
-every number printed is a median over rounds.
-Model FLOP/s are analytic: `networks.training_flops` (matmul FLOPs of forward and backward)
-x samples/s, so they count useful model work, not what a kernel executes.
+In each of `--repeats` rounds every setting measures (a), then a block of `--iters` steps
+of (b) and of (c) (the blocks swap places each round). A block counts its median step;
+ratios ((c)/(b), fractions of the ceilings) are formed within a round, and every number
+printed is a median over rounds. Then, budget permitting, a profiled pass splits each
+setting's full step into GEMM / attention / elementwise+norm / optimizer / loader / Python.
+Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model work.
+`--budget_s` bounds the whole run, set-up included: settings that would not fit are skipped
+(a torch.compile that runs too long is interrupted), rounds stop when the next would overrun.
 Every setting is built by `utils.training.build_training` and steps with its `train_step`,
 exactly as train.py runs them. Without a data set under the config's data_dir (or DATA_DIR)
 the loader reads a small temporary one made by `utils.data.synthetic`.
@@ -37,243 +43,159 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from bench.budget import Budget, OverBudget
+from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import find_data, machine_label
-from networks import build_model, training_flops
+from bench.report import Summary, print_report, print_split, print_table, summarise
+from bench.step_runner import StepRunner
+from networks import training_flops
 from utils import comm
 from utils.cli import build_parser, load_params
-from utils.run.setup import seed_everything, set_batch_sizes
-from utils.training import build_training, train_step, wrap_model
-from utils.YParams import DATA_PATH_KEYS
+from utils.precision import autocast_dtype, resolved
+from utils.run.setup import set_batch_sizes
+from utils.YParams import DATA_PATH_KEYS, load_yaml
 
-# The --table ladder: each row adds one tutorial optimisation to the row above it.
+# The --table ladder: each row adds one tutorial optimisation to the row above it. Then the
+# config's `_opt` relative as written (cpu_short -> cpu_short_opt), when there is one.
 LADDER: list[tuple[str, dict[str, Any]]] = [
     ("baseline (fp32)", {"amp_mode": "none", "enable_fused": False, "enable_jit": False,
-                         "num_data_workers": 0}),
+                         "num_data_workers": 0, "prefetch_thread": False}),
     ("+ num_data_workers 1", {"num_data_workers": 1}),
-    ("+ bf16 autocast", {"amp_mode": "bf16"}),
+    ("+ amp_mode auto", {"amp_mode": "auto"}),
     ("+ fused Adam", {"enable_fused": True}),
+    ("+ prefetch thread, no worker", {"num_data_workers": 0, "prefetch_thread": True}),
     ("+ torch.compile (enable_jit)", {"enable_jit": True}),
 ]
-# The fastest mix of flags measured on a 2-core AVX-512 (bf16) CPU at the cpu_short size.
-BEST_CPU: tuple[str, dict[str, Any]] = (
-    "best CPU: bf16 + fused + compile, workers 0",
-    {"amp_mode": "bf16", "enable_fused": True, "enable_jit": True, "num_data_workers": 0})
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class MatmulCeiling:
-    """Best-of-`tries` rate of one n x n x n `torch.mm` (2 n^3 FLOPs) in fp32 and bf16."""
-
-    def __init__(self, device: torch.device, n: int = 2048, tries: int = 3):
-        self.device, self.n, self.tries = device, n, tries
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        self.operands = {dt: (a.to(dt), b.to(dt)) for dt in (torch.float32, torch.bfloat16)}
-        for a, b in self.operands.values():  # warm-up: first-call set-up is not the ceiling
-            torch.mm(a, b)
-
-    def gflops(self, dtype: torch.dtype) -> float:
-        a, b = self.operands[dtype]
-        best = float("inf")
-        for _ in range(self.tries):
-            sync(self.device)
-            start = time.perf_counter()
-            torch.mm(a, b)
-            sync(self.device)
-            best = min(best, time.perf_counter() - start)
-        return 2 * self.n**3 / best / 1e9
-
-
-class StepRunner:
-    """One setting, built as train.py builds it (`build_training`), plus one random batch
-    in memory for the bare step."""
-
-    def __init__(self, label: str, params: Any, device: torch.device):
-        self.label, self.params, self.device = label, params, device
-        seed_everything(params.seed)
-        model = wrap_model(build_model(params).to(device), params, device)
-        self.run = build_training(params, device, model)
-        self.model, self.scheduler = self.run.model, self.run.scheduler
-        self.loader, self.sampler = self.run.train_loader, self.run.train_sampler
-        self.model.train()
-        self.epoch, self.batches = 0, iter(())
-        shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
-        self.inp = torch.randn(shape, device=device)
-        self.tar = torch.randn(shape, device=device)
-
-    def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        return train_step(self.run, inp, tar)
-
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            return next(self.batches)
-        except StopIteration:  # end of an epoch: train.py starts the next one like this
-            self.epoch += 1
-            self.sampler.set_epoch(self.epoch)
-            self.batches = iter(self.loader)
-            return next(self.batches)
-
-    @property
-    def prefetched(self) -> int:
-        """Batches the loader's workers hold ready; 0 without workers."""
-        workers = int(self.params.num_data_workers or 0)
-        return workers * (getattr(self.loader, "prefetch_factor", None) or 2)
-
-    def bare(self, n: int) -> list[float]:
-        """Seconds of each of `n` `train_step`s on the in-memory batch."""
-        times = []
-        for _ in range(n):
-            start = time.perf_counter()
-            self._step(self.inp, self.tar)
-            sync(self.device)
-            times.append(time.perf_counter() - start)
-        return times
-
-    def full(self, n: int, untimed: int = 0) -> list[float]:
-        """Seconds of each of `n` steps of train.py's loop body, loader included, after
-        `untimed` steps that bring the loader's workers to their steady state."""
-        times = []
-        for i in range(untimed + n):
-            start = time.perf_counter()
-            inp, tar = self._next_batch()
-            inp = inp.to(self.device, non_blocking=True)
-            tar = tar.to(self.device, non_blocking=True)
-            loss = self._step(inp, tar)
-            self.scheduler.step()
-            loss.item()  # train.py sums the losses on the device; this only waits for it
-            if i >= untimed:
-                times.append(time.perf_counter() - start)
-        return times
 
 
 @dataclass
 class Block:
-    """One round of one setting: median seconds per step of a block of bare steps and of a
-    block of full steps, and the ceilings (GFLOP/s) measured before each block."""
+    """One round of one setting: median seconds per bare and per full step, its n^3 matmul
+    ceiling (GFLOP/s, None if skipped) and shape-true ceiling (seconds) before them."""
     bare_s: float
     full_s: float
-    ceil32: float
-    ceil16: float
-
-
-@dataclass
-class Summary:
-    label: str
-    bare_sps: float
-    full_sps: float
-    overhead: float
-    bare_gflops: float
-    gflops: float
-    frac32: float
-    frac16: float
-    ceil32: float
-    ceil16: float
-    rounds: int
-    overhead_range: tuple[float, float]  # lowest and highest round
-    frac32_range: tuple[float, float]
-
-
-def summarise(label: str, blocks: list[Block], batch: int, flops_per_sample: float) -> Summary:
-    """Medians over rounds; ratios are formed within a round first."""
-    med = statistics.median
-    step_gflop = flops_per_sample * batch / 1e9
-    overheads = [b.full_s / b.bare_s for b in blocks]
-    fracs = [step_gflop / b.full_s / b.ceil32 for b in blocks]
-    return Summary(
-        label=label,
-        bare_sps=med(batch / b.bare_s for b in blocks),
-        full_sps=med(batch / b.full_s for b in blocks),
-        overhead=med(overheads),
-        bare_gflops=med(step_gflop / b.bare_s for b in blocks),
-        gflops=med(step_gflop / b.full_s for b in blocks),
-        frac32=med(fracs),
-        frac16=med(step_gflop / b.full_s / b.ceil16 for b in blocks),
-        ceil32=med(b.ceil32 for b in blocks), ceil16=med(b.ceil16 for b in blocks),
-        rounds=len(blocks), overhead_range=(min(overheads), max(overheads)),
-        frac32_range=(min(fracs), max(fracs)))
-
-
-def measure(runners: list[StepRunner], ceiling: MatmulCeiling, iters: int, repeats: int,
-            deadline: float) -> dict[str, list[Block]]:
-    """`repeats` rounds; in each, every setting runs the ceilings, a block of `iters` bare
-    steps, the ceilings, a block of `iters` full steps (the two blocks swap places every
-    round). A block's value is its median step, which drops steps that other processes on
-    the machine happened to slow. Full steps run in a block, not one at a time between bare
-    steps, so that data-loader workers work while the model does, as in training: the
-    batches they prefetched while the model stood still are spent in untimed steps first."""
-    results: dict[str, list[Block]] = {r.label: [] for r in runners}
-    start = time.perf_counter()
-    for rep in range(repeats):
-        rep_start = time.perf_counter()
-        for runner in runners:
-            ceils, medians = [], {}
-            order = ("bare", "full") if rep % 2 == 0 else ("full", "bare")
-            for kind in order:
-                ceils.append((ceiling.gflops(torch.float32), ceiling.gflops(torch.bfloat16)))
-                times = (runner.bare(iters) if kind == "bare"
-                         else runner.full(iters, untimed=runner.prefetched))
-                medians[kind] = statistics.median(times)
-            results[runner.label].append(Block(
-                medians["bare"], medians["full"], statistics.mean(c[0] for c in ceils),
-                statistics.mean(c[1] for c in ceils)))
-        now = time.perf_counter()
-        print(f"  round {rep + 1}/{repeats} done ({now - start:.0f} s)", file=sys.stderr,
-              flush=True)
-        if rep >= 1 and rep + 1 < repeats and now + (now - rep_start) > deadline:
-            print(f"  another round would overrun --budget_s: stopping after {rep + 1}",
-                  file=sys.stderr, flush=True)
-            break
-    return results
+    mm_gflops: float | None
+    shape_true_s: float
 
 
 def case_params(args: argparse.Namespace, overrides: dict[str, Any],
-                data_paths: dict[str, str], log_dir: str) -> Any:
+                data_paths: dict[str, str], log_dir: str, config: str | None = None) -> Any:
+    if config is not None:
+        args = argparse.Namespace(**{**vars(args), "config": config})
     params = load_params(args)
     params.update({**overrides, **data_paths, "expdir": log_dir})
     set_batch_sizes(params, 1)
     return params
 
 
-def print_report(s: Summary, n: int) -> None:
-    print(f"(a) matmul ceiling, {n}^3 torch.mm: fp32 {s.ceil32:.1f} GFLOP/s, "
-          f"bf16 {s.ceil16:.1f} GFLOP/s")
-    print(f"(b) bare step (in-memory batch): {s.bare_sps:.1f} samples/s, "
-          f"{s.bare_gflops:.1f} GFLOP/s")
-    print(f"(c) full step (loader included): {s.full_sps:.1f} samples/s, "
-          f"{s.gflops:.1f} GFLOP/s")
-    lo, hi = s.overhead_range
-    print(f"framework overhead (c)/(b), time per step: {s.overhead:.3f} "
-          f"(rounds: {lo:.3f} to {hi:.3f})")
-    lo, hi = s.frac32_range
-    print(f"model FLOP/s (c): {s.gflops:.1f} GFLOP/s = {s.frac32:.2f} of the fp32 ceiling "
-          f"(rounds: {lo:.2f} to {hi:.2f}), {s.frac16:.2f} of the bf16 ceiling")
+def ladder_cases(args: argparse.Namespace, data_paths: dict[str, str], log_dir: str,
+                 device: torch.device) -> list[tuple[str, Any]]:
+    cases, overrides = [], {}
+    for label, change in LADDER:
+        overrides = {**overrides, **change}
+        if change.get("amp_mode") == "auto":
+            label += f" ({resolved('auto', device)} here)"
+        cases.append((label, case_params(args, overrides, data_paths, log_dir)))
+    opt = f"{args.config}_opt"
+    if opt in load_yaml(args.yaml_config):
+        p = case_params(args, {}, data_paths, log_dir, config=opt)
+        cases.append((f"{opt} as written ({describe(p, device)})", p))
+    return cases
 
 
-def print_table(summaries: list[Summary]) -> None:
-    print("| setting | samples/s | overhead (c)/(b) | model GFLOP/s | of fp32 ceiling "
-          "| of bf16 ceiling |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for s in summaries:
-        print(f"| {s.label} | {s.full_sps:.1f} | {s.overhead:.3f} | {s.gflops:.1f} "
-              f"| {s.frac32:.2f} | {s.frac16:.2f} |")
+def describe(p: Any, device: torch.device) -> str:
+    amp = p.amp_mode if p.amp_mode != "auto" else f"auto -> {resolved('auto', device)}"
+    loader = f"{p.data_loader_config} loader, workers {p.num_data_workers}"
+    if p.get("prefetch_thread"):
+        loader += ", prefetch thread"
+    return f"amp {amp}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, {loader}"
+
+
+def set_up(cases: list[tuple[str, Any]], device: torch.device, budget: Budget,
+           warmup: int, iters: int) -> list[StepRunner]:
+    """Build and warm up each setting while the budget keeps room for one round of every
+    setting built; a setting whose set-up (a torch.compile) would eat that room is
+    interrupted and skipped."""
+    runners: list[StepRunner] = []
+    for label, params in cases:
+        room = budget.left() - budget.reserve(runners, iters)
+        if runners and room < budget.reserve(runners[-1:], iters):
+            print(f"  skipped '{label}': its set-up and a round would overrun --budget_s",
+                  file=sys.stderr, flush=True)
+            continue
+        start = time.perf_counter()
+        try:
+            with budget.alarm(room):
+                runner = StepRunner(label, params, device)
+                runner.warm_up(warmup)
+        except OverBudget:
+            print(f"  skipped '{label}': set-up still running after {room:.0f} s would "
+                  "overrun --budget_s", file=sys.stderr, flush=True)
+            continue
+        runners.append(runner)
+        print(f"  set up and warmed up '{label}' in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    return runners
+
+
+def one_round(runners: list[StepRunner], mm: MatmulCeiling,
+              ceilings: dict[str, ShapeTrueCeiling], iters: int, rep: int) -> dict[str, Block]:
+    blocks = {}
+    for r in runners:
+        mm_rate = mm.gflops(r.dtype)
+        shape_true = ceilings[r.label].seconds()
+        medians = {}
+        for kind in (("bare", "full") if rep % 2 == 0 else ("full", "bare")):
+            times = r.bare(iters) if kind == "bare" else r.full(iters, untimed=r.prefetched)
+            medians[kind] = statistics.median(times)
+        blocks[r.label] = Block(medians["bare"], medians["full"], mm_rate, shape_true)
+    return blocks
+
+
+def measure(runners: list[StepRunner], mm: MatmulCeiling,
+            ceilings: dict[str, ShapeTrueCeiling], iters: int, repeats: int,
+            budget: Budget) -> dict[str, list[Block]]:
+    """Up to `repeats` rounds, at least one; another only if it fits the budget with room
+    for the profiled split (median steps drop the ones other processes happened to slow)."""
+    results: dict[str, list[Block]] = {r.label: [] for r in runners}
+    start = time.perf_counter()
+    for rep in range(repeats):
+        rep_start = time.perf_counter()
+        for label, block in one_round(runners, mm, ceilings, iters, rep).items():
+            results[label].append(block)
+        now = time.perf_counter()
+        print(f"  round {rep + 1}/{repeats} done ({now - start:.0f} s)", file=sys.stderr,
+              flush=True)
+        if rep + 1 < repeats and budget.left() < (now - rep_start) + budget.split_cost(runners):
+            print(f"  another round would overrun --budget_s: stopping after {rep + 1}",
+                  file=sys.stderr, flush=True)
+            break
+    return results
+
+
+def time_splits(runners: list[StepRunner], budget: Budget) -> dict[str, dict[str, float]]:
+    """The profiled split of each setting's full step, as many settings as the budget
+    allows (the last, usually fastest, first)."""
+    splits = {}
+    for r in reversed(runners):
+        if budget.left() < budget.split_cost([r]):
+            break
+        splits[r.label] = r.time_split()
+    return splits
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = build_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=4,
+    p.add_argument("--iters", type=int, default=3,
                    help="timed steps per block: per setting and round, bare and full each")
     p.add_argument("--repeats", type=int, default=10,
-                   help="interleaved rounds (many short rounds: robust to other jobs' load)")
+                   help="interleaved rounds at most (many short rounds: robust to load)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting first (torch.compile compiles here)")
     p.add_argument("--budget_s", type=float, default=480.0,
-                   help="skip the remaining rounds (keeping >= 2) that would end the "
-                   "whole run, set-up included, later than this many seconds")
+                   help="the whole run, set-up included, ends within about this many seconds")
     p.add_argument("--ceiling_size", type=int, default=2048,
-                   help="n of the n x n x n matmul ceiling (smaller: faster smoke tests)")
+                   help="largest n of the n x n x n matmul ceiling")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
     return p.parse_args(argv)
@@ -281,7 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    deadline = time.perf_counter() + args.budget_s
+    budget = Budget(args.budget_s)
     _, device = comm.init_process()
     base = load_params(args)
     tmp = find_data(base)
@@ -289,50 +211,49 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = tempfile.mkdtemp(prefix="bench_step_logs_")  # run logs nobody reads
     flops = training_flops(base)
     if args.table:
-        cases, overrides = [], {}
-        for label, change in LADDER:
-            overrides = {**overrides, **change}
-            cases.append((label, case_params(args, overrides, data_paths, log_dir)))
-        cases.append((BEST_CPU[0], case_params(args, BEST_CPU[1], data_paths, log_dir)))
+        cases = ladder_cases(args, data_paths, log_dir, device)
     else:
         p = case_params(args, {}, data_paths, log_dir)
-        label = (f"amp {p.amp_mode}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, "
-                 f"workers {p.num_data_workers}")
-        cases = [(label, p)]
-
-    batch = int(cases[0][1].local_batch_size)
-    print(f"bench_step: config {args.config}, batch {batch}, "
+        cases = [(describe(p, device), p)]
+    print(f"bench_step: config {args.config}, batch {int(cases[0][1].local_batch_size)}, "
           f"{flops / 1e9:.2f} GFLOP per training sample (analytic); {machine_label(device)}")
-    runners = []
-    for label, params in cases:
-        start = time.perf_counter()
-        runner = StepRunner(label, params, device)
-        runner.bare(args.warmup)
-        runner.full(args.warmup, untimed=runner.prefetched)
-        runners.append(runner)
-        print(f"  set up and warmed up '{label}' in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr, flush=True)
-    n_params = sum(p.numel() for p in runners[0].model.parameters())
+    dtypes = [autocast_dtype(resolved(p.amp_mode, device)) or torch.float32 for _, p in cases]
+    mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
+    runners = set_up(cases, device, budget, args.warmup, args.iters)
+    ceilings = {r.label: r.record_ceiling() for r in runners}
     load_start = os.getloadavg()[0]
-    ceiling = MatmulCeiling(device, n=args.ceiling_size)
-    results = measure(runners, ceiling, args.iters, args.repeats, deadline)
-    summaries = [summarise(r.label, results[r.label], int(r.params.local_batch_size), flops)
-                 for r in runners]
-    print(f"{n_params / 1e6:.2f} M parameters; medians over {summaries[0].rounds} interleaved "
-          f"rounds of {args.iters} bare and {args.iters} full steps per setting; 1-min load "
-          f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
-    if args.table:
-        everything = [b for r in runners for b in results[r.label]]
-        print(f"matmul ceiling ({args.ceiling_size}^3 torch.mm, median over all blocks): fp32 "
-              f"{statistics.median(b.ceil32 for b in everything):.1f} GFLOP/s, bf16 "
-              f"{statistics.median(b.ceil16 for b in everything):.1f} GFLOP/s\n")
-        print_table(summaries)
-    else:
-        print(f"setting: {summaries[0].label}")
-        print_report(summaries[0], args.ceiling_size)
+    results = measure(runners, mm, ceilings, args.iters, args.repeats, budget)
+    splits = time_splits(runners, budget)
+    summaries = [summarise(r.label, precision_label(r.dtype, device), results[r.label],
+                           r.batch, flops) for r in runners]
+    print(f"medians over {summaries[0].rounds} interleaved rounds of {args.iters} bare and "
+          f"{args.iters} full steps per setting; 1-min load average {load_start:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end; {budget.elapsed():.0f} s in all "
+          f"(--budget_s {args.budget_s:.0f})")
+    print(f"n^3 matmul ceiling: {mm.describe()}; shape-true ceiling of a step: "
+          f"{describe_ceiling(next(iter(ceilings.values())))}\n")
+    report(args, summaries, splits, ceilings)
+    for r in runners:
+        r.close()
     if tmp is not None:
         tmp.cleanup()
     shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def describe_ceiling(c: ShapeTrueCeiling) -> str:
+    n = c.counts()
+    return f"{n['gemm']} GEMMs ({c.gemm_gflop:.1f} GFLOP) and {n['attention']} attention calls"
+
+
+def report(args: argparse.Namespace, summaries: list[Summary],
+           splits: dict[str, dict[str, float]], ceilings: dict[str, ShapeTrueCeiling]) -> None:
+    if args.table:
+        print_table(summaries)
+    else:
+        print_report(summaries[0])
+    if splits:
+        print()
+        print_split(splits, {k: c.split() for k, c in ceilings.items() if k in splits})
 
 
 if __name__ == "__main__":

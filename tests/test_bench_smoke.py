@@ -1,6 +1,7 @@
-"""bench.bench_step runs end to end (no timing assertions), and the CPU precision policy
-of utils.precision.attention (serial and distributed models alike): under CPU bf16
-autocast attention runs in fp32, linears in bf16."""
+"""bench.bench_step and bench.bench_reference run end to end (no timing assertions), and
+the CPU precision policy of utils.precision.attention (serial and distributed models
+alike): under CPU bf16 autocast, short sequences attend with bf16 matmuls, long ones in the
+fp32 flash kernel; linears in bf16."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from helpers import REPO, TINY_IMG_SIZE, child_env
 
 from networks.vit import VisionTransformer
 from utils.data.synthetic import generate
+from utils.precision import MATH_PATH_MAX_SCORES, attention, math_attention
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves
@@ -23,20 +25,70 @@ from utils.data.synthetic import generate
 BF16_REL_TOL = 2e-2
 
 
-@pytest.mark.e2e
-def test_bench_step_smoke(tmp_path: Path) -> None:
-    generate(tmp_path, img_size=TINY_IMG_SIZE, samples_per_year=24, train_years=1,
+@pytest.fixture(scope="module")
+def bench_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench_data")
+    generate(out, img_size=TINY_IMG_SIZE, samples_per_year=24, train_years=1,
              valid_years=1, test_years=1)
-    cmd = [sys.executable, "-m", "bench.bench_step", "--config", "tiny", "--iters", "3",
-           "--repeats", "2", "--ceiling_size", "1024"]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env({"DATA_DIR": str(tmp_path)}),
-                          capture_output=True, text=True, timeout=120)
+    return out
+
+
+def run_bench(module: str, args: list[str], data: Path, env: dict[str, str] | None = None,
+              timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", module, "--config", "tiny", *args], cwd=REPO,
+                          env=child_env({"DATA_DIR": str(data), **(env or {})}),
+                          capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "no data at" not in out, "DATA_DIR was not used"
-    assert "framework overhead (c)/(b)" in proc.stdout, out[-4000:]
-    assert "model FLOP/s (c):" in proc.stdout and "of the fp32 ceiling" in proc.stdout
-    assert "(a) matmul ceiling" in proc.stdout
+    return proc
+
+
+@pytest.mark.e2e
+def test_bench_step_reports_both_ceilings_and_the_time_split(bench_data: Path) -> None:
+    proc = run_bench("bench.bench_step", ["--iters", "2", "--repeats", "2", "--ceiling_size",
+                                          "512", "--budget_s", "60"], bench_data)
+    out = proc.stdout
+    assert "framework overhead (c)/(b)" in out, out[-4000:]
+    assert "(a) n^3 matmul ceiling (fp32):" in out and "of it" in out
+    assert "(a) shape-true ceiling (fp32):" in out
+    assert "29 GEMMs" in out and "4 attention calls" in out  # tiny: depth 2, 9 Linears
+    assert "time split of the full step" in out
+    assert "| GEMM | attention | elementwise+norm | optimizer | loader | Python+framework |" in out
+
+
+@pytest.mark.e2e
+def test_bench_step_table_on_a_cpu_without_native_bf16_stays_in_fp32(bench_data: Path) -> None:
+    """The AVX2-only machine's code path, its capability injected: amp_mode auto is fp32,
+    no bf16 ceiling is measured, and the ladder ends within a small budget (settings that
+    would not fit, e.g. a slow torch.compile, are skipped and say so)."""
+    proc = run_bench("bench.bench_step", ["--table", "--iters", "1", "--repeats", "2",
+                                          "--budget_s", "45"], bench_data,
+                     env={"CPU_NATIVE_PRECISION": "none"})
+    out = proc.stdout + proc.stderr
+    assert "| setting | precision | samples/s | overhead (c)/(b) | model GFLOP/s " \
+           "| of n^3 matmul ceiling | of shape-true ceiling |" in proc.stdout, out[-4000:]
+    lines = proc.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| setting | precision"))
+    rows = [line for line in lines[first + 2:] if line.startswith("| ")]
+    assert rows[0].startswith("| baseline (fp32) | fp32 |"), rows
+    assert any(r.startswith("| + amp_mode auto (none here) | fp32 |") for r in rows), out
+    assert not any("| bf16 |" in r for r in rows)
+    assert "n^3 matmul ceiling: fp32 at" in proc.stdout and "bf16 at" not in proc.stdout
+    assert "(--budget_s 45)" in proc.stdout
+
+
+@pytest.mark.e2e
+def test_bench_reference_compares_each_reference_choice(bench_data: Path) -> None:
+    proc = run_bench("bench.bench_reference", ["--iters", "1", "--repeats", "2",
+                                               "--enable_fused"], bench_data)
+    rows = {line.split(" | ")[0][2:]: line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    for label in ("ours", "per-sample numpy loader + collate", "Adam without fused (for-loop)",
+                  "zero_grad(set_to_none=False)", "loss.item() every step",
+                  "reference: all four"):
+        assert label in rows, proc.stdout[-3000:]
+    assert rows["ours"].endswith("| 1.000 |")
 
 
 def tiny_vit() -> VisionTransformer:
@@ -61,7 +113,9 @@ def record_dtypes(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> dict[str
     return seen
 
 
-def test_cpu_bf16_policy_attention_fp32_linears_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_bf16_short_sequences_attend_with_bf16_matmuls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny ViT's 32 tokens: the math path, no SDPA kernel; every matmul in bf16."""
     model = tiny_vit()
     x = torch.randn(2, 20, *TINY_IMG_SIZE)
     with torch.no_grad():
@@ -69,14 +123,29 @@ def test_cpu_bf16_policy_attention_fp32_linears_bf16(monkeypatch: pytest.MonkeyP
     seen = record_dtypes(model, monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
-    assert len(seen["sdpa"]) == 2  # depth 2
-    assert all(d == (torch.float32,) * 3 for d in seen["sdpa"]), seen["sdpa"]
+    assert seen["sdpa"] == []
     assert seen["linear"] and all(d == torch.bfloat16 for d in seen["linear"]), seen["linear"]
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < BF16_REL_TOL, f"bf16 output is {rel:.3%} from fp32 (limit {BF16_REL_TOL:.0%})"
-    out.float().square().mean().backward()  # the fp32 island is differentiable
+    out.float().square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in model.parameters())
+
+
+def test_cpu_bf16_long_sequences_attend_in_fp32_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond MATH_PATH_MAX_SCORES (no N^2 scores in memory): the fp32 flash kernel."""
+    n = int(MATH_PATH_MAX_SCORES**0.5) + 1
+    q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+    seen = record_dtypes(nn.Module(), monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert seen["sdpa"] == [(torch.float32,) * 3] and out.dtype == torch.float32
+
+
+def test_math_path_computes_scaled_dot_product_attention() -> None:
+    q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(math_attention(q, k, v, 0.0, torch.float64),
+                               F.scaled_dot_product_attention(q, k, v))
 
 
 def test_fp32_unchanged_without_autocast(monkeypatch: pytest.MonkeyPatch) -> None:

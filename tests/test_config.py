@@ -53,7 +53,7 @@ def test_merge_keys_resolve_through_the_anchor_chain_cpu_bs64_opt_cpu_opt_cpu_ba
     assert p.global_batch_size == 64 and p.lr == pytest.approx(1.0e-3)
     # from cpu_opt
     assert (p.data_loader_config, p.num_data_workers, p.amp_mode, p.num_iters,
-            p.enable_fused) == ("dali", 2, "bf16", 1200, True)
+            p.enable_fused) == ("dali", 2, "auto", 1200, True)
     # from cpu_base
     assert (p.img_size, p.embed_dim, p.depth, p.expdir) == ([64, 128], 192, 6, "logs")
     assert p.train_data_path == "data/synthetic/train"

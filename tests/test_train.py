@@ -18,6 +18,7 @@ import torch
 from helpers import EPOCH_LINES, TINY_ITERS_PER_EPOCH, assert_completed, losses, run_script
 
 from networks.vit import VisionTransformer
+from utils.evaluation import l2_loss
 from utils.precision import grad_scaler
 from utils.training import lr_factor
 
@@ -163,7 +164,8 @@ def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_
     x, y = torch.randn(2, 20, 16, 32), torch.randn(2, 20, 16, 32)
     prof = StepProfiler(cpu, str(tmp_path), enabled=False)
     run = SimpleNamespace(params=P, device=cpu, model=model, optimizer=optimizer,
-                          scaler=scaler, prof=prof)  # the parts of a Training the step uses
+                          scaler=scaler, prof=prof,
+                          loss_fn=l2_loss)  # the parts of a Training the step uses
     loss = train_step(run, x, y)
     assert torch.isfinite(loss)
     assert scaler.get_scale() == 65536.0  # finite gradients: no back-off

@@ -30,14 +30,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
     p.add_argument("--run_num", default=None, type=str,
                    help="tag of this run's directory (default 00)")
-    p.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], default=None,
-                   help="mixed precision (autocast); overrides the config")
+    p.add_argument("--amp_mode", choices=["none", "fp16", "bf16", "auto"], default=None,
+                   help="mixed precision (autocast); auto: bf16 or fp16 where the hardware "
+                   "runs it natively, else none; overrides the config")
     p.add_argument("--enable_fused", action="store_true", help="fused Adam kernel")
     p.add_argument("--enable_jit", action="store_true", help="torch.compile the model")
     p.add_argument("--local_batch_size", type=int, default=None,
                    help="per-process batch; global = local x data-parallel size")
     p.add_argument("--num_iters", type=int, default=None, help="training iterations")
     p.add_argument("--num_data_workers", type=int, default=None)
+    p.add_argument("--prefetch_thread", action="store_true",
+                   help="read the next batches in a thread of the training process")
     p.add_argument("--data_loader_config", choices=["pytorch", "dali"], default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rollout_steps", type=int, default=None,
@@ -82,7 +85,8 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
 FLAG_KEYS = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed", "tp",
              "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
              "checkpoint_interval", "checkpoint_keep", "run_num", "local_batch_size",
-             "enable_fused", "enable_jit", "rollout_steps", "init_from")
+             "enable_fused", "enable_jit", "rollout_steps", "init_from",
+             "prefetch_thread")
 # Settings of this run only (not config keys): they live in params too, so that the code
 # reads one place.
 RUN_FLAGS = ("resume", "requeue", "noddp", "bucket_cap_mb", "disable_broadcast_buffers")

@@ -100,7 +100,8 @@ class TrainingKeys(Keys):
     optimizer: Literal["Adam"] = Field("Adam", description="optimizer")
     betas: Annotated[list[Fraction], Len(2, 2)] = Field([0.9, 0.95], description="Adam betas")
     amp_mode: Literal["none", "fp16", "bf16", "auto"] = Field(
-        "none", description="autocast precision (auto: chosen for the device)")
+        "none", description="autocast precision; auto: bf16 where the hardware runs it "
+        "natively (GPUs since Ampere, CPUs with AVX512-BF16/AMX), fp16 on older GPUs, else none")
     enable_fused: bool = Field(False, description="fused Adam kernel")
     enable_jit: bool = Field(False, description="torch.compile the model")
     seed: Seed = Field(0, description="seed of weights, data order and dropout")
@@ -124,6 +125,9 @@ class DataKeys(Keys):
 
     data_loader_config: Literal["pytorch", "dali"] = Field("pytorch", description="data loader")
     num_data_workers: NonNegInt = Field(0, description="loader worker processes per rank")
+    prefetch_thread: bool = Field(
+        False, description="PyTorch loader: read the next batches in a thread of the "
+        "training process (small machines: no worker process competing for the cores)")
     data_dir: PathStr = Field(description="data root (DATA_DIR replaces it in every path below)")
     train_data_path: PathStr = Field(description="directory of the training years' .h5 files")
     valid_data_path: PathStr = Field(description="directory of the validation years")

@@ -101,6 +101,10 @@ class FieldsReader:
             return self._read[key]
         except OSError as e:
             sample = key[0] if isinstance(key, tuple) else key
+            if isinstance(sample, slice):  # a read of several samples: find the bad one
+                rest = key[1:] if isinstance(key, tuple) else ()
+                for i in range(*sample.indices(self.shape[0])):
+                    self[(i, *rest)]
             raise DataError(f"{self.path}: cannot read sample {sample} of 'fields' "
                             f"({str(e).splitlines()[0]}): the file is damaged; copy it "
                             "again from its source, or regenerate it") from None

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from utils.data.batch_read import keep_batch, read_batch
 from utils.data.checks import FieldsReader, check_dtypes, check_stats
+from utils.data.prefetch import PrefetchLoader
 from utils.errors import DataError
 from utils.tile import Tile
 
@@ -154,6 +156,15 @@ class ERA5Dataset(Dataset):
             x /= self.stds
         return torch.from_numpy(inp), torch.from_numpy(tar)
 
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch (the DataLoader calls this instead of `__getitem__` per sample):
+        fewer HDF5 reads and one normalisation pass, see utils/data/batch_read.py. K-step
+        targets (`rollout_steps` > 1) are read sample by sample."""
+        if self.steps > 1:
+            pairs = [self[i] for i in indices]
+            return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        return read_batch(self, indices)
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_handles"], state["_pid"] = [None] * len(self.files), None
@@ -208,7 +219,16 @@ def get_loader(params: Any, location: str, train: bool, num_replicas: int = 1, r
         from utils.data.dali import get_data_loader_dali  # optional dependency: import on use
 
         return get_data_loader_dali(params, location, train, num_replicas, rank, tile)
-    return get_data_loader(params, location, train, num_replicas, rank, tile)
+    return with_prefetch(params, *get_data_loader(params, location, train, num_replicas, rank,
+                                                  tile))
+
+
+def with_prefetch(params: Any, loader: DataLoader, dataset: ERA5Dataset,
+                  sampler: ShardSampler) -> tuple[Any, ERA5Dataset, ShardSampler]:
+    """`prefetch_thread: true`: the loader runs ahead in a thread (utils/data/prefetch.py)."""
+    if params.get("prefetch_thread"):
+        return PrefetchLoader(loader), dataset, sampler
+    return loader, dataset, sampler
 
 
 def get_data_loader(params: Any, location: str, train: bool, num_replicas: int = 1,
@@ -229,5 +249,6 @@ def get_data_loader(params: Any, location: str, train: bool, num_replicas: int =
         persistent_workers=workers > 0,
         pin_memory=torch.cuda.is_available(),
         drop_last=train,
+        collate_fn=keep_batch,  # __getitems__ returns the batch ready
     )
     return loader, dataset, sampler

@@ -1,0 +1,176 @@
+"""Our training step against the same step as the NERSC SC24 tutorial's reference
+implementation writes it, one difference at a time, interleaved in one process.
+
+    DATA_DIR=data/synthetic python -m bench.bench_reference --config cpu_short \
+        --amp_mode auto --enable_fused
+
+The reference's step differs from ours in four implementation choices (same model, same
+flags, same data):
+  loader     per sample: two HDF5 reads, numpy normalisation, then the DataLoader's collate
+             copy (ours: one hyperslab per pair, normalisation over the whole batch);
+  optimizer  Adam without `fused` unless --enable_fused, i.e. the per-parameter for-loop on
+             a CPU (ours: the fused kernel when enable_fused, as here);
+  zero_grad  `optimizer.zero_grad()` at the start of the step: on PyTorch >= 2.0 that sets
+             gradients to None, like ours; with `set_to_none=False` (the default before
+             2.0) every gradient is zero-filled and then accumulated into;
+  loss sync  `loss.item()` after every step, a host sync (ours: the loss is summed on the
+             device and read once per epoch).
+Each variant below is ours with one choice flipped, and "reference" flips all of them. All
+variants start from the same weights and read the same batches (each has its own loader over
+the same seeded sample order); in every round each runs a block of `--iters` full steps
+(loader, step, scheduler), in a rotating order, and a ratio is formed within the round.
+Printed: the median over rounds of (variant step time / our step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from bench.budget import Budget
+from bench.ceilings import sync
+from bench.common import find_data, machine_label
+from bench.step_runner import StepRunner
+from utils import comm
+from utils.cli import build_parser, load_params
+from utils.precision import autocast
+from utils.run.setup import set_batch_sizes
+from utils.training import train_step
+from utils.YParams import DATA_PATH_KEYS
+
+CHOICES = ("loader", "optimizer", "zero_grad", "loss_sync")
+VARIANTS: list[tuple[str, frozenset[str]]] = [
+    ("ours", frozenset()),
+    ("per-sample numpy loader + collate", frozenset({"loader"})),
+    ("Adam without fused (for-loop)", frozenset({"optimizer"})),
+    ("zero_grad(set_to_none=False)", frozenset({"zero_grad"})),
+    ("loss.item() every step", frozenset({"loss_sync"})),
+    ("reference: all four", frozenset(CHOICES)),
+]
+
+
+class PerSample(Dataset):
+    """The dataset seen one sample at a time (no `__getitems__`): the DataLoader then calls
+    `__getitem__` per sample (numpy normalisation) and collates, as the reference does."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset[index]
+
+
+class Variant(StepRunner):
+    """A StepRunner whose step makes the reference's choices named in `flipped`."""
+
+    def __init__(self, label: str, params: Any, device: torch.device, flipped: frozenset):
+        if "optimizer" in flipped:
+            params.enable_fused = False  # `params` is this variant's own
+        super().__init__(label, params, device)
+        self.flipped = flipped
+        if "loader" in flipped:
+            ours = self.loader
+            self.loader = DataLoader(PerSample(ours.dataset), batch_size=ours.batch_size,
+                                     sampler=self.sampler, num_workers=ours.num_workers,
+                                     persistent_workers=ours.num_workers > 0,
+                                     pin_memory=torch.cuda.is_available(), drop_last=True)
+        self.loss_sum = torch.zeros((), device=device)
+
+    def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """`utils.training.train_step`; with zero_grad flipped, the same step with the
+        gradients zero-filled at its start instead of set to None at its end."""
+        if "zero_grad" not in self.flipped:
+            return train_step(self.run, inp, tar)
+        run = self.run
+        run.optimizer.zero_grad(set_to_none=False)
+        with autocast(run.params, run.device):
+            loss = run.loss_fn(run.model(inp), tar)
+        run.scaler.scale(loss).backward()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        return loss.detach()
+
+    def block(self, n: int) -> float:
+        """Seconds per step over `n` full steps (the device waited for once, at the end:
+        only the loss-sync variant syncs every step)."""
+        self.full(0, untimed=self.prefetched)
+        start = time.perf_counter()
+        for _ in range(n):
+            inp, tar = self._next_batch()
+            loss = self._step(inp.to(self.device, non_blocking=True),
+                              tar.to(self.device, non_blocking=True))
+            self.scheduler.step()
+            if "loss_sync" in self.flipped:
+                loss.item()
+            else:
+                self.loss_sum += loss
+        sync(self.device)
+        return (time.perf_counter() - start) / n
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser(__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=4, help="full steps per block")
+    p.add_argument("--repeats", type=int, default=8, help="interleaved rounds at most")
+    p.add_argument("--budget_s", type=float, default=300.0,
+                   help="rounds stop when the next would end later than this")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    budget = Budget(args.budget_s)
+    _, device = comm.init_process()
+    params = load_params(args)
+    tmp = find_data(params)
+    paths = {k: params[k] for k in DATA_PATH_KEYS}
+    log_dir = tempfile.mkdtemp(prefix="bench_reference_logs_")
+    variants = []
+    for label, flipped in VARIANTS:
+        p = load_params(args)
+        p.update({**paths, "expdir": log_dir})
+        set_batch_sizes(p, 1)
+        v = Variant(label, p, device, flipped)
+        v.block(2)  # warm-up (torch.compile compiles here)
+        variants.append(v)
+    print(f"bench_reference: config {args.config}, amp {variants[0].params.amp_mode}, fused "
+          f"{bool(args.enable_fused)}, jit {bool(args.enable_jit)}; {machine_label(device)}")
+    ratios: dict[str, list[float]] = {v.label: [] for v in variants}
+    times: dict[str, list[float]] = {v.label: [] for v in variants}
+    for rep in range(args.repeats):
+        rep_start = time.perf_counter()
+        k = rep % len(variants)
+        measured = {v.label: v.block(args.iters) for v in variants[k:] + variants[:k]}
+        for label, t in measured.items():
+            ratios[label].append(t / measured["ours"])
+            times[label].append(t)
+        if budget.left() < 1.2 * (time.perf_counter() - rep_start):
+            break
+    print(f"{len(ratios['ours'])} interleaved rounds of {args.iters} full steps per variant; "
+          f"1-min load average {os.getloadavg()[0]:.1f}\n")
+    print("| variant | ms per step | step time / ours |")
+    print("|---|---:|---:|")
+    for v in variants:
+        print(f"| {v.label} | {1e3 * statistics.median(times[v.label]):.1f} "
+              f"| {statistics.median(ratios[v.label]):.3f} |")
+    for v in variants:
+        v.close()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,91 @@
+"""A benchmark's time budget: how long is left, what one round of the settings set up so
+far costs, and an alarm that interrupts a set-up (a long torch.compile) that would eat the
+time the measurements need."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+class OverBudget(Exception):
+    """Raised by `Budget.alarm` when its time is up."""
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        # Counted from the process's start: interpreter and torch import included.
+        self.start = time.perf_counter() - process_age()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    @staticmethod
+    def reserve(runners: list[Any], iters: int) -> float:
+        """Seconds one measurement round of `runners` takes: per setting its bare and full
+        blocks, the loader's untimed steps, its two ceilings (~1.5 steps) and 0.3 s of n^3
+        matmuls; from each setting's warm-up step time."""
+        return sum((2 * iters + r.prefetched + 1.5) * r.step_s + 0.3 for r in runners)
+
+    @staticmethod
+    def split_cost(runners: list[Any]) -> float:
+        """Seconds the profiled time split of `runners` takes (2 profiled steps, the
+        profiler's overhead, the ceiling's own split)."""
+        return sum(4.5 * r.step_s for r in runners)
+
+    @contextlib.contextmanager
+    def alarm(self, seconds: float) -> Iterator[None]:
+        """Raise OverBudget in the body after `seconds` (main thread, POSIX; elsewhere no
+        alarm)."""
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not \
+                threading.main_thread():
+            yield
+            return
+        if seconds <= 0:
+            raise OverBudget
+
+        def expire(signum: int, frame: Any) -> None:
+            raise OverBudget
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        except Exception as e:  # torch.compile may wrap it in its own exception
+            if isinstance(e, OverBudget) or _caused_by_alarm(e):
+                raise OverBudget from None
+            raise
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0 where /proc cannot tell)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _caused_by_alarm(e: BaseException | None) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OverBudget):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False

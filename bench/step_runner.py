@@ -1,0 +1,130 @@
+"""One benchmark setting: a run built exactly as train.py builds it (`build_training`), its
+step (`train_step`), a random batch in memory for the bare step, and what its ceilings and
+profile need (the eager model, the precision it computes in)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from bench.ceilings import ShapeTrueCeiling, sync
+from bench.time_split import LOADER_RANGE, profile_split
+from networks import build_model
+from utils.evaluation import l2_loss
+from utils.precision import autocast, autocast_dtype
+from utils.run.setup import seed_everything
+from utils.training import build_training, train_step, wrap_model
+
+
+def eager(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+class StepRunner:
+    """One setting, built as train.py builds it, plus one random batch in memory."""
+
+    def __init__(self, label: str, params: Any, device: torch.device):
+        self.label, self.params, self.device = label, params, device
+        seed_everything(params.seed)
+        model = wrap_model(build_model(params).to(device), params, device)
+        self.run = build_training(params, device, model)  # settles amp_mode 'auto'
+        self.model, self.scheduler = self.run.model, self.run.scheduler
+        self.loader, self.sampler = self.run.train_loader, self.run.train_sampler
+        self.model.train()
+        self.epoch, self.batches = 0, iter(())
+        shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
+        self.inp = torch.randn(shape, device=device)
+        self.tar = torch.randn(shape, device=device)
+        self.step_s = float("nan")  # median full step of the warm-up: for budget estimates
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision its GEMMs run in."""
+        return autocast_dtype(self.params.amp_mode) or torch.float32
+
+    @property
+    def batch(self) -> int:
+        return int(self.params.local_batch_size)
+
+    @property
+    def prefetched(self) -> int:
+        """Batches the loader's workers hold ready; 0 without workers."""
+        workers = int(self.params.num_data_workers or 0)
+        return workers * (getattr(self.loader, "prefetch_factor", None) or 2)
+
+    def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        return train_step(self.run, inp, tar)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with record_function(LOADER_RANGE):
+            try:
+                return next(self.batches)
+            except StopIteration:  # end of an epoch: train.py starts the next one like this
+                self.epoch += 1
+                self.sampler.set_epoch(self.epoch)
+                self.batches = iter(self.loader)
+                return next(self.batches)
+
+    def warm_up(self, n: int) -> None:
+        """Untimed steps (torch.compile compiles here); sets `step_s`."""
+        self.bare(n)
+        self.step_s = statistics.median(self.full(max(n, 1), untimed=self.prefetched))
+
+    def bare(self, n: int) -> list[float]:
+        """Seconds of each of `n` `train_step`s on the in-memory batch."""
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            self._step(self.inp, self.tar)
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return times
+
+    def full(self, n: int, untimed: int = 0) -> list[float]:
+        """Seconds of each of `n` steps of train.py's loop body, loader included, after
+        `untimed` steps that bring the loader's workers to their steady state."""
+        times = []
+        for i in range(untimed + n):
+            start = time.perf_counter()
+            self.full_step()
+            if i >= untimed:
+                times.append(time.perf_counter() - start)
+        return times
+
+    def full_step(self) -> None:
+        inp, tar = self._next_batch()
+        inp = inp.to(self.device, non_blocking=True)
+        tar = tar.to(self.device, non_blocking=True)
+        loss = self._step(inp, tar)
+        self.scheduler.step()
+        loss.item()  # train.py sums the losses on the device; this only waits for it
+
+    def record_ceiling(self) -> ShapeTrueCeiling:
+        """The GEMMs and attention calls of one of its training steps (bench/ceilings.py),
+        recorded from one eager forward and backward at its precision."""
+        model = eager(self.model)
+
+        def forward_backward() -> None:
+            with autocast(self.params, self.device):
+                loss = l2_loss(model(self.inp), self.tar)
+            loss.backward()
+
+        ceiling = ShapeTrueCeiling.record(forward_backward, self.device)
+        self.run.optimizer.zero_grad(set_to_none=True)  # those gradients are not a step
+        return ceiling
+
+    def time_split(self, steps: int = 2) -> dict[str, float]:
+        """Shares of the full step's time by category (bench/time_split.py)."""
+        return profile_split(self.full_step, steps)
+
+    def close(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if close is not None:  # DALI: stop its worker processes now
+            close()
+        self.run.close()

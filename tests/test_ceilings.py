@@ -1,0 +1,131 @@
+"""The benchmark's yardsticks (bench/ceilings.py, bench/time_split.py, bench/budget.py): the
+shape-true ceiling records exactly the GEMMs and attention calls of a training step, the
+matmul ceiling sizes itself to the machine, the time split adds up, and the budget alarm
+interrupts. No timing assertions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import TINY_IMG_SIZE
+from torch.profiler import record_function
+
+from bench.budget import Budget, OverBudget
+from bench.ceilings import MatmulCeiling, Ref, ShapeTrueCeiling
+from bench.time_split import CATEGORIES, LOADER_RANGE, category, profile_split
+from networks.vit import VisionTransformer
+from utils.evaluation import l2_loss
+
+CPU = torch.device("cpu")
+B, C, P, D, DEPTH, HEADS = 2, 20, 4, 32, 2, 4
+
+
+def tiny_vit() -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=TINY_IMG_SIZE, patch_size=P, in_chans=C, out_chans=C,
+                             embed_dim=D, depth=DEPTH, num_heads=HEADS)
+
+
+def record(model: VisionTransformer, dtype: torch.dtype | None) -> ShapeTrueCeiling:
+    x, y = torch.randn(B, C, *TINY_IMG_SIZE), torch.randn(B, C, *TINY_IMG_SIZE)
+
+    def forward_backward() -> None:
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = l2_loss(model(x), y)
+        loss.backward()
+
+    return ShapeTrueCeiling.record(forward_backward, CPU)
+
+
+def test_every_linear_gives_three_gemms_and_the_patch_embedding_two():
+    ceiling = record(tiny_vit(), None)
+    N = (TINY_IMG_SIZE[0] // P) * (TINY_IMG_SIZE[1] // P)
+    linears = [(D, 3 * D), (D, D), (D, 4 * D), (4 * D, D)] * DEPTH + [(D, C * P * P)]
+    assert ceiling.counts() == {"gemm": 3 * len(linears) + 2, "attention": 2 * DEPTH}
+    # forward, input gradient and weight gradient of each Linear: 3 x 2 M K N; the patch
+    # embedding has no input gradient (the input needs none): 2 x 2 M K N.
+    expected = 3 * sum(2 * B * N * k * n for k, n in linears) + 2 * (2 * B * N * C * P * P * D)
+    assert ceiling.gemm_gflop * 1e9 == pytest.approx(expected)
+
+
+def test_bf16_autocast_records_bf16_gemms_and_the_math_path_attention_as_gemms():
+    """CPU bf16 policy for short sequences (utils.precision.attention): attention is two
+    bf16 matmuls forward and four backward per block, no SDPA kernel."""
+    ceiling = record(tiny_vit(), torch.bfloat16)
+    linears = 4 * DEPTH + 1
+    assert ceiling.counts() == {"gemm": 3 * linears + 2 + 6 * DEPTH, "attention": 0}
+    gemm_dtypes = [{s.dtype for s in c.args if hasattr(s, "dtype")}
+                   for c in ceiling.calls if c.kind == "gemm"]
+    # every GEMM in bf16 but the patch embedding's two, which run in fp32 on CPU
+    # (utils.precision.patch_conv: a oneDNN AMX bf16 bug for this convolution)
+    assert sum(d == {torch.float32} for d in gemm_dtypes) == 2
+    assert all(d == {torch.bfloat16} for d in gemm_dtypes if d != {torch.float32})
+
+
+def test_attention_backward_replays_on_its_forwards_tensors():
+    ceiling = record(tiny_vit(), None)
+    backward = [c for c in ceiling.calls if c.kind == "attention" and "backward" in str(c.op)]
+    assert len(backward) == DEPTH
+    for call in backward:
+        refs = [a for a in call.args if isinstance(a, Ref)]
+        # q, k, v (inputs of the forward), its output and log-sum-exp
+        assert sorted((r.output, r.index) for r in refs) == [
+            (False, 0), (False, 1), (False, 2), (True, 0), (True, 1)]
+    assert ceiling.seconds(tries=1) > 0
+    split = ceiling.split(tries=1)
+    assert set(split) == {"gemm", "attention"} and all(v > 0 for v in split.values())
+
+
+def test_the_matmul_ceiling_shrinks_or_skips_a_precision_too_slow_for_its_budget():
+    sized = MatmulCeiling(CPU, [torch.float32], n=512, max_call_s=60.0)
+    assert sized.sizes == {torch.float32: 512} and sized.gflops(torch.float32) > 0
+    skipped = MatmulCeiling(CPU, [torch.float32, torch.bfloat16], n=2048, max_call_s=1e-9)
+    assert skipped.sizes == {} and set(skipped.skipped) == {torch.float32, torch.bfloat16}
+    assert skipped.gflops(torch.bfloat16) is None
+    assert "bf16 skipped" in skipped.describe()
+
+
+@pytest.mark.parametrize("name, ancestors, expected", [
+    ("aten::addmm", (), "GEMM"), ("aten::mm", ("autograd::engine",), "GEMM"),
+    ("aten::mkldnn_convolution", (), "GEMM"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", (), "attention"),
+    ("aten::native_layer_norm", (), "elementwise+norm"), ("aten::gelu", (), "elementwise+norm"),
+    ("aten::_fused_adam_", ("Optimizer.step#Adam.step",), "optimizer"),
+    ("aten::copy_", (LOADER_RANGE,), "loader"),
+    ("AddmmBackward0", (), "Python+framework"), ("bench: full step", (), "Python+framework"),
+])
+def test_profiler_events_fall_into_one_category_each(name, ancestors, expected):
+    assert category(name, (*ancestors, name)) == expected
+
+
+def test_the_time_split_of_a_real_step_adds_up():
+    model = tiny_vit()
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = torch.randn(B, C, *TINY_IMG_SIZE)
+
+    def step() -> None:
+        with record_function(LOADER_RANGE):
+            inp = batch.clone()
+        l2_loss(model(inp), batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    shares = profile_split(step, steps=2)
+    assert tuple(shares) == CATEGORIES
+    assert sum(shares.values()) == pytest.approx(1.0)
+    for key in ("GEMM", "attention", "optimizer", "loader"):
+        assert shares[key] > 0, key
+
+
+def test_the_budget_alarm_interrupts_a_long_set_up():
+    budget = Budget(10.0)
+    with pytest.raises(OverBudget):
+        with budget.alarm(0.2):
+            time.sleep(5)
+    with budget.alarm(5.0):  # a body that ends in time is not interrupted
+        time.sleep(0.01)
+    with pytest.raises(OverBudget):
+        with budget.alarm(0.0):
+            pass

@@ -1,0 +1,164 @@
+"""Precision chosen by the hardware: which reduced precisions a CPU runs natively (from
+PyTorch's CPU feature flags, or injected with CPU_NATIVE_PRECISION), what `amp_mode: auto`
+resolves to, and the one-line warning when an explicit bf16 is only emulated.
+
+The AVX2-only CPU (an AMD EPYC where a bf16 matmul ran at 0.9 GFLOP/s against 110 in fp32)
+is not at hand: its code path runs here with its capabilities injected."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from utils.errors import ConfigError
+from utils.hardware import (
+    ENV_OVERRIDE,
+    CpuPrecision,
+    cpu_features,
+    cpu_precision,
+    detect_native,
+    measure_slowdown,
+    parse_override,
+)
+from utils.precision import auto_amp_mode, autocast, grad_scaler, settle_amp_mode, warn_emulated
+
+CPU = torch.device("cpu")
+FLAGS = ("avx2", "avx512_f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+AVX2_ONLY = dict.fromkeys(FLAGS, False) | {"avx2": True}
+AVX512_NO_BF16 = AVX2_ONLY | {"avx512_f": True}          # e.g. Skylake-SP: bf16 emulated
+AVX512_BF16 = AVX512_NO_BF16 | {"avx512_bf16": True}      # e.g. Zen 4
+SAPPHIRE_RAPIDS = AVX512_BF16 | {"amx_bf16": True, "avx512_fp16": True}
+GRANITE_RAPIDS = SAPPHIRE_RAPIDS | {"amx_fp16": True}
+
+
+@pytest.mark.parametrize("features, native", [
+    (AVX2_ONLY, set()), (AVX512_NO_BF16, set()), (AVX512_BF16, {"bf16"}),
+    (AVX2_ONLY | {"amx_bf16": True}, {"bf16"}), (SAPPHIRE_RAPIDS, {"bf16", "fp16"}),
+    (GRANITE_RAPIDS, {"bf16", "fp16"}), (AVX2_ONLY | {"amx_fp16": True}, {"fp16"}),
+])
+def test_native_precisions_follow_the_x86_feature_flags(features, native):
+    found = detect_native(features, "x86_64")
+    assert found.native == native
+    decisive = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+    assert found.evidence == (", ".join(f for f in decisive if features[f])
+                              or f"none of {', '.join(decisive)}")
+
+
+def test_this_machine_is_detected_from_torchs_own_flags():
+    features = cpu_features()
+    if not features:
+        pytest.skip("this PyTorch does not expose CPU feature flags")
+    native = cpu_precision(environ={}).native
+    assert ("bf16" in native) == (features.get("avx512_bf16") or features.get("amx_bf16"))
+
+
+@pytest.mark.parametrize("value, native", [
+    ("none", set()), ("bf16", {"bf16"}), ("bf16,fp16", {"bf16", "fp16"}), (" FP16 ", {"fp16"}),
+])
+def test_the_environment_variable_replaces_detection(value, native):
+    got = cpu_precision(environ={ENV_OVERRIDE: value})
+    assert got.native == native and ENV_OVERRIDE in got.evidence
+
+
+@pytest.mark.parametrize("value", ["fp8", "bf16,int8", ","])
+def test_a_bad_environment_value_is_a_one_line_config_error(value):
+    with pytest.raises(ConfigError, match=f"{ENV_OVERRIDE}=.*expected 'none' or"):
+        parse_override(value)
+
+
+@pytest.mark.parametrize("native, expected", [
+    (set(), "none"), ({"fp16"}, "none"), ({"bf16"}, "bf16"), ({"bf16", "fp16"}, "bf16")])
+def test_auto_on_a_cpu_is_bf16_only_where_bf16_is_native(native, expected):
+    assert auto_amp_mode(CPU, CpuPrecision(frozenset(native), "injected")) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_a_gpu_is_bf16_where_supported_else_fp16():
+    expected = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    assert auto_amp_mode(torch.device("cuda")) == expected
+
+
+@pytest.mark.parametrize("native", [set(), {"bf16"}])
+def test_auto_resolves_in_autocast_and_the_scaler(monkeypatch, native):
+    monkeypatch.setenv(ENV_OVERRIDE, ",".join(native) or "none")
+    params = SimpleNamespace(amp_mode="auto")
+    with autocast(params, CPU):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    assert dtype == (torch.bfloat16 if native else None)
+    assert not grad_scaler(params, CPU).is_enabled()
+
+
+def test_settling_auto_writes_the_choice_and_logs_why(caplog):
+    params = SimpleNamespace(amp_mode="auto")
+    with caplog.at_level(logging.INFO, logger="train"):
+        assert settle_amp_mode(params, CPU, CpuPrecision(frozenset(), "no avx512_bf16")) == "none"
+        assert params.amp_mode == "none"
+        params.amp_mode = "auto"
+        settle_amp_mode(params, CPU, CpuPrecision(frozenset({"bf16"}), "avx512_bf16, amx_bf16"))
+        assert params.amp_mode == "bf16"
+    assert "amp_mode auto -> none: no native bf16 on this CPU (no avx512_bf16)" in caplog.text
+    assert "amp_mode auto -> bf16: native on this CPU (avx512_bf16, amx_bf16)" in caplog.text
+
+
+def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(caplog):
+    warn_emulated.cache_clear()
+    cpu = CpuPrecision(frozenset(), f"{ENV_OVERRIDE}=none")
+    with caplog.at_level(logging.INFO, logger="train"):
+        for _ in range(2):  # a second settle (e.g. a second build) does not repeat it
+            params = SimpleNamespace(amp_mode="bf16")
+            assert settle_amp_mode(params, CPU, cpu) == "bf16"  # still trains in bf16
+    lines = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert re.search(r"amp_mode bf16 is emulated on this CPU \(.*CPU_NATIVE_PRECISION=none\): "
+                     r"a 256\^3 matmul measured [\d.]+x the time of fp32 \([\d.]+ vs [\d.]+ "
+                     r"GFLOP/s\); amp_mode auto picks none here", lines[0]), lines[0]
+
+
+def test_native_or_fp32_choices_do_not_warn(caplog):
+    cpu = CpuPrecision(frozenset({"bf16"}), "avx512_bf16")
+    with caplog.at_level(logging.INFO, logger="train"):
+        for mode in ("bf16", "none"):
+            settle_amp_mode(SimpleNamespace(amp_mode=mode), CPU, cpu)
+    assert not caplog.records
+
+
+def test_the_slowdown_probe_measures_both_precisions():
+    rates = measure_slowdown("bf16", n=64, seconds=0.05)
+    assert rates.n == 64 and rates.fp32 > 0 and rates.reduced > 0
+    assert rates.slowdown == pytest.approx(rates.fp32 / rates.reduced)
+
+
+# ----------------------------------------------------------------- train.py end to end
+
+TINY = ["--config=tiny", "--num_iters=2"]
+
+
+@pytest.mark.e2e
+def test_explicit_bf16_without_native_bf16_trains_and_says_it_is_emulated(run_train):
+    run = run_train("train.py", [*TINY, "--amp_mode=bf16"], env_extra={ENV_OVERRIDE: "none"})
+    assert run.returncode == 0, run.output[-3000:]
+    lines = [x for x in run.output.splitlines() if "is emulated on this CPU" in x]
+    assert len(lines) == 1, run.output[-3000:]
+    assert "WARNING" in lines[0] and "x the time of fp32" in lines[0]
+    assert "Finished 2 iterations" in run.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("native, mode", [("none", "none"), ("bf16", "bf16")])
+def test_amp_mode_auto_follows_the_injected_cpu(run_train, native, mode):
+    run = run_train("train.py", [*TINY, "--amp_mode=auto"], env_extra={ENV_OVERRIDE: native})
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"amp_mode auto -> {mode}:" in run.stdout
+    assert "emulated" not in run.output
+
+
+@pytest.mark.e2e
+def test_a_bad_capability_override_is_one_error_line(run_train):
+    run = run_train("train.py", [*TINY, "--amp_mode=auto"], env_extra={ENV_OVERRIDE: "fp8"})
+    assert run.returncode == 2, run.output[-3000:]
+    assert "error: CPU_NATIVE_PRECISION='fp8': expected 'none' or" in run.output
+    assert "Traceback" not in run.output
