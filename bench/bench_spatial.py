@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -45,12 +44,11 @@ from typing import Any
 from bench.bench_mp import (
     BYTES_PER_PARAM,
     CPU_BATCH,
-    LAUNCHER_VARS,
     REPO,
     CommTimer,
     available_cores,
-    free_port,
     rss_gb,
+    torchrun_result,
 )
 
 RESULT_TAG = "BENCH_SPATIAL_RESULT "
@@ -290,27 +288,11 @@ def launch(args: argparse.Namespace, mesh: str) -> dict[str, Any]:
     h, w = parse_mesh(mesh)
     ranks = h * w
     threads = max(1, available_cores() // ranks)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "-m", "bench.bench_spatial", "--worker", "--config", args.config,
-           "--yaml_config", args.yaml_config, "--mesh", mesh, "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--threads", str(threads),
-           "--local_batch_size", str(args.local_batch_size)]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: no spinning on shared cores
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"mesh {mesh}: no result within {args.timeout:.0f} s") from None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    first = proc.stderr.find("Traceback")
-    tail = "\n".join(proc.stderr[max(first, 0):].splitlines()[:30])
-    raise RuntimeError(f"mesh {mesh}: exit code {proc.returncode}, no result\n{tail}")
+    worker = ["--config", args.config, "--yaml_config", args.yaml_config, "--mesh", mesh,
+              "--iters", str(args.iters), "--warmup", str(args.warmup),
+              "--threads", str(threads), "--local_batch_size", str(args.local_batch_size)]
+    return torchrun_result("bench.bench_spatial", ranks, worker, threads, args.timeout,
+                           RESULT_TAG, f"mesh {mesh}")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -355,15 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{p.embed_dim}, depth {p.depth}, {p.num_blocks} blocks; batch "
           f"{args.local_batch_size} (dp = 1), random in-memory batch; {args.warmup} warm-up + "
           f"{args.iters} timed steps; {available_cores()} cores shared by the ranks.", flush=True)
-    rows = []
-    for mesh in args.mesh:
-        start = time.time()
-        try:
-            rows.append(launch(args, mesh))
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"  {mesh} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    from bench.common import run_each  # the launcher itself needs no torch until here
+
+    rows = run_each(args.mesh, lambda mesh: launch(args, mesh), str)
+    if rows is None:
+        return 1
     print(flush=True)
     print(table(rows), flush=True)
     return 0

@@ -28,11 +28,12 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -243,20 +244,23 @@ def start_slurm_cluster(nodes: int = 1):
     """A private SLURM cluster on this machine (tests/slurm_cluster.py), or a visible skip
     where it cannot run (not root, no packages): in the -ra summary, as a warning and on
     stderr. SLURM_TESTS_REQUIRED=1 turns the skip into a failure."""
-    import warnings
-
     from slurm_cluster import ClusterUnavailable, SlurmCluster
 
     require_marker("starts a SLURM cluster", "slurm")
     try:
         return SlurmCluster(nodes=nodes).start()
     except ClusterUnavailable as e:
-        reason = f"no SLURM cluster on this machine: {e}"
-        if os.environ.get("SLURM_TESTS_REQUIRED"):
-            pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
-        print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
-        warnings.warn(reason, stacklevel=2)
-        pytest.skip(reason)
+        skip_visibly("SLURM", f"no SLURM cluster on this machine: {e}", "SLURM_TESTS_REQUIRED")
+
+
+def skip_visibly(what: str, reason: str, required_env: str) -> NoReturn:
+    """Skip with the reason in the -ra summary, as a warning and on stderr; a failure
+    instead when `required_env` is set (a machine where the tool must be there)."""
+    if os.environ.get(required_env):
+        pytest.fail(f"{reason} ({required_env} is set)")
+    print(f"\nSKIPPED {what} tests: {reason}", file=sys.stderr)
+    warnings.warn(reason, stacklevel=3)
+    pytest.skip(reason)
 
 
 def slurm_job_output(cluster, job: int, timeout: float) -> str:
@@ -294,6 +298,52 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, what: str,
     err = (actual - expected).abs().max().item()
     bound = rtol * expected.abs().max().item() + atol
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+# ----------------------------------------------------------- a parallel model vs the serial one
+
+def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
+                              batches: Sequence[tuple], serial_loss: Callable,
+                              parallel_loss: Callable, layout: str, lr: float, rtol: float,
+                              atol_adam: float) -> None:
+    """Adam steps side by side on the serial model and a model-parallel one (wrapped in DDP
+    over dp when dp > 1): `serial_loss(model, x, y)` on the whole batch, `parallel_loss(model,
+    x, y)` on this rank's part. After the first step the loss (averaged over dp) and every
+    gathered gradient, after the last every gathered parameter, equal the serial ones; the
+    replicated parameters stay bitwise identical on the ranks that share them."""
+    import torch.distributed as dist
+
+    from distributed.helpers import sync_shared_gradients
+    from distributed.layers import gather_full_grads, gather_full_state_dict
+    from utils import comm
+
+    opt_serial = torch.optim.Adam(serial.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for step, (x, y) in enumerate(batches):
+        loss_serial = serial_loss(serial, x, y)
+        loss_serial.backward()
+        loss = parallel_loss(model, x, y)
+        loss.backward()
+        sync_shared_gradients(model)
+        if step == 0:
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
+            assert_close_rel(mean_loss / comm.get_size("dp"), loss_serial.detach(),
+                             f"{layout} loss", rtol)
+            grads = gather_full_grads(model)
+            for name, p in serial.named_parameters():
+                assert_close_rel(grads[name], p.grad, f"{layout} grad of {name}", rtol)
+        opt_serial.step(), opt.step()
+        opt_serial.zero_grad(), opt.zero_grad()
+    full = gather_full_state_dict(model)
+    for name, p in serial.named_parameters():
+        assert_close_rel(full[name], p.detach(), f"{layout} {name} after {len(batches)} Adam "
+                         "steps", rtol, atol_adam)
+    for name, p in getattr(model, "module", model).named_parameters():
+        for group_name in p.is_shared_mp:
+            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
+            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
 
 
 # ----------------------------------------------------------------- what a run logged and saved

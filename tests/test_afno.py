@@ -23,14 +23,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import CONFIG_FILE, assert_close_rel, run_distributed
+from helpers import CONFIG_FILE, assert_trains_like_serial, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distributed.helpers import annotation_errors, sync_shared_gradients
-from distributed.layers import gather_full_grads, gather_full_state_dict, load_serial_state_dict
+from distributed.helpers import annotation_errors
+from distributed.layers import gather_full_state_dict, load_serial_state_dict
 from distributed.spatial import SpatialLayers, scatter_image
 from distributed.spatial_metrics import l2_loss as spatial_l2_loss
 from networks import build_model
@@ -199,44 +198,14 @@ def _compare(fraction: float) -> None:
         assert torch.equal(value, serial.state_dict()[name]), f"{name} initialised differently"
     if comm.get_size("dp") > 1:
         model = DistributedDataParallel(model, process_group=comm.get_group("dp"))
-    opt_serial = torch.optim.Adam(serial.parameters(), lr=LR)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
     dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")
     local = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     layout = f"h={comm.get_size('h')} w={comm.get_size('w')} dp={dp} fraction={fraction}"
     tile = lambda t: scatter_image(t[local], serial.grid, 4)  # noqa: E731
-
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss_serial = l2_loss(serial(x), y)
-        loss_serial.backward()
-        loss = spatial_l2_loss(model(tile(x)), tile(y))
-        loss.backward()
-        sync_shared_gradients(model)
-        if step == 0:
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            assert_close_rel(mean_loss / dp, loss_serial.detach(), f"{layout} loss", RTOL)
-            grads = gather_full_grads(model)
-            for name, p in serial.named_parameters():
-                assert_close_rel(grads[name], p.grad, f"{layout} grad of {name}", RTOL)
-        opt_serial.step(), opt.step()
-        opt_serial.zero_grad(), opt.zero_grad()
-
-    full = gather_full_state_dict(model)
-    for name, p in serial.named_parameters():
-        assert_close_rel(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps",
-                         RTOL, ATOL_ADAM)
-    _check_replicas_identical(model)
-
-
-def _check_replicas_identical(model: torch.nn.Module) -> None:
-    """Replicated parameters stay bitwise identical on every rank of the mesh."""
-    for name, p in model.named_parameters():
-        for group_name in p.is_shared_mp:
-            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
-            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
+    assert_trains_like_serial(
+        serial, model, [_batch(step) for step in range(STEPS)],
+        lambda m, x, y: l2_loss(m(x), y), lambda m, x, y: spatial_l2_loss(m(tile(x)), tile(y)),
+        layout, LR, RTOL, ATOL_ADAM)
 
 
 def _run(h: int, w: int) -> None:

@@ -18,14 +18,6 @@ from utils.data.loader import get_data_loader, get_loader, load_stats, load_stds
 from utils.errors import DataError, from_worker, message_of
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def point_at(params, data) -> None:
     for split in ("train", "valid"):
         params[f"{split}_data_path"] = str(data / split)

@@ -21,16 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_close_rel, run_distributed
+from helpers import assert_trains_like_serial, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.helpers import annotation_errors, sync_shared_gradients
 from distributed.layers import (
     DistributedLayers,
-    gather_full_grads,
     gather_full_state_dict,
     load_serial_state_dict,
 )
@@ -57,43 +55,13 @@ def _compare(img: tuple[int, int]) -> None:
         assert torch.equal(value, serial.state_dict()[name]), name
     if comm.get_size("dp") > 1:
         model = DistributedDataParallel(model, process_group=comm.get_group("dp"))
-    opt_serial = torch.optim.Adam(serial.parameters(), lr=LR)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
     dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")
     local = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     layout = f"tp={comm.get_size('tp')} cp={comm.get_size('cp')} dp={dp} img={img}"
-
-    for step in range(STEPS):
-        x, y = _batch(step, img)
-        loss_serial = F.mse_loss(serial(x), y)
-        loss_serial.backward()
-        loss = F.mse_loss(model(x[local]), y[local])
-        loss.backward()
-        sync_shared_gradients(model)
-        if step == 0:
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            assert_close_rel(mean_loss / dp, loss_serial.detach(), f"{layout} loss", RTOL)
-            grads = gather_full_grads(model)
-            for name, p in serial.named_parameters():
-                assert_close_rel(grads[name], p.grad, f"{layout} grad of {name}", RTOL)
-        opt_serial.step(), opt.step()
-        opt_serial.zero_grad(), opt.zero_grad()
-
-    full = gather_full_state_dict(model)
-    for name, p in serial.named_parameters():
-        assert_close_rel(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps",
-                         RTOL, ATOL_ADAM)
-    _check_replicas_identical(model)
-
-
-def _check_replicas_identical(model: nn.Module) -> None:
-    """Replicated parameters must stay bitwise identical on every rank that shares them."""
-    for name, p in model.named_parameters():
-        for group_name in p.is_shared_mp:
-            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
-            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
+    assert_trains_like_serial(
+        serial, model, [_batch(step, img) for step in range(STEPS)],
+        lambda m, x, y: F.mse_loss(m(x), y), lambda m, x, y: F.mse_loss(m(x[local]), y[local]),
+        layout, LR, RTOL, ATOL_ADAM)
 
 
 def _run(tp: int, cp: int) -> None:

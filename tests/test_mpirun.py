@@ -11,10 +11,8 @@ the reason in the summary, and MPI_TESTS_REQUIRED=1 turns the skip into a failur
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 from helpers import (
@@ -26,6 +24,7 @@ from helpers import (
     child_env,
     free_port,
     one_line,
+    skip_visibly,
 )
 from mpi_launcher import MPIUnavailable, find_mpirun, mpirun_command, mpirun_env
 
@@ -65,12 +64,7 @@ def mpirun() -> str:
     try:
         return find_mpirun()
     except MPIUnavailable as e:
-        reason = f"no Open MPI mpirun on this machine: {e}"
-        if os.environ.get("MPI_TESTS_REQUIRED"):
-            pytest.fail(reason + " (MPI_TESTS_REQUIRED is set)")
-        print(f"\nSKIPPED mpirun tests: {reason}", file=sys.stderr)
-        warnings.warn(reason, stacklevel=2)
-        pytest.skip(reason)
+        skip_visibly("mpirun", f"no Open MPI mpirun on this machine: {e}", "MPI_TESTS_REQUIRED")
 
 
 def run_mpirun(mpirun: str, nproc: int, tiny_data, log_dir, *flags: str) -> TrainRun:

@@ -24,14 +24,6 @@ TILES = [*MESH_2X2, Tile(GRID, slice(0, 8), slice(0, 32)),     # h 3: 8 + 4 + 4 
          Tile(GRID, slice(12, 16), slice(0, 32)), Tile(GRID, slice(5, 6), slice(3, 29))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("train", [True, False], ids=["train", "valid"])
 def test_a_tile_read_is_exactly_the_crop_of_the_whole_field_read(tiny_params, train):
     path = tiny_params.train_data_path if train else tiny_params.valid_data_path
