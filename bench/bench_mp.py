@@ -125,7 +125,6 @@ def worker(args: argparse.Namespace) -> None:
     import tempfile
 
     import torch
-    import torch.distributed as dist
 
     import train_mp
     from bench.common import find_data
@@ -161,10 +160,7 @@ def worker(args: argparse.Namespace) -> None:
             "peak": peak_memory_gb(device), "steps": steps, "cpu": cpu, "comms": comms,
             "loss": first_loss, "batch": int(params.local_batch_size),
             "threads": torch.get_num_threads()}
-    everyone: list[Any] = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    everyone = from_every_rank(mine)
     if comm.get_world_rank() == 0:
         print(RESULT_TAG + json.dumps(summarise(tp, everyone)), flush=True)
     run.close()
@@ -204,6 +200,17 @@ def time_steps(run: Any, inp: Any, tar: Any, warmup: int, iters: int
             cpu.append(time.process_time() - start_cpu)
             comms.append(timer.seconds)
     return steps, cpu, comms, first_loss
+
+
+def from_every_rank(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's measurements, on every rank (one small all-gather of Python objects)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def summarise(tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:

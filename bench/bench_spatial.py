@@ -47,6 +47,7 @@ from bench.bench_mp import (
     REPO,
     CommTimer,
     available_cores,
+    from_every_rank,
     rss_gb,
     torchrun_result,
 )
@@ -190,10 +191,7 @@ def worker(args: argparse.Namespace) -> None:
             "steps": steps[args.warmup:], "comms": comms[args.warmup:], "loss": loss,
             **sent,
             "threads": torch.get_num_threads()}
-    everyone: list[Any] = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    everyone = from_every_rank(mine)
     if comm.get_world_rank() == 0:
         formula = 2 * params.depth * alltoall_bytes(
             int(params.local_batch_size), transform.modes, params.embed_dim, (h, w),
