@@ -13,6 +13,7 @@ Two proofs:
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -23,7 +24,7 @@ from helpers import run_distributed, run_script
 from distributed.helpers import compute_split_shapes
 from distributed.layers import DistributedAttention, TokenSplit, load_serial_state_dict
 from networks.vit import Attention
-from utils import comm
+from utils import comm, precision
 
 LOSS_RTOL = 1e-4
 DIM, HEADS, TOKENS = 32, 4, 10
@@ -39,20 +40,24 @@ def _attention_dtypes_and_output(tp: int, cp: int) -> None:
     x = torch.randn(2, TOKENS, DIM)
     tokens.sizes = compute_split_shapes(TOKENS, cp)
     mine = x.split(tokens.sizes, dim=1)[comm.get_rank("cp")]
-    seen = []
-    sdpa = F.scaled_dot_product_attention
+    seen = []  # which kernel each attention call ran, and in which dtypes
+    sdpa, math = F.scaled_dot_product_attention, precision.math_attention
 
-    def spy(q, k, v, *args, **kwargs):
-        seen.append((q.dtype, k.dtype, v.dtype))
+    def spy_sdpa(q, k, v, *args, **kwargs):
+        seen.append(("sdpa", q.dtype, k.dtype, v.dtype))
         return sdpa(q, k, v, *args, **kwargs)
 
-    F.scaled_dot_product_attention = spy
+    def spy_math(q, k, v, dropout_p, dtype):
+        seen.append(("math", dtype))
+        return math(q, k, v, dropout_p, dtype)
+
+    F.scaled_dot_product_attention, precision.math_attention = spy_sdpa, spy_math
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ref = serial(x).split(tokens.sizes, dim=1)[comm.get_rank("cp")]
             out = layer(mine)
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention, precision.math_attention = sdpa, math
     assert len(seen) == 2 and seen[0] == seen[1], seen  # serial, then distributed: one policy
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, f"distributed attention is {rel:.2%} from the serial one under bf16"
@@ -82,3 +87,21 @@ def test_bf16_losses_of_train_and_train_mp_agree(tiny_data, tmp_path) -> None:
     for name in ("tp2", "cp2"):
         other = _losses(runs[name])
         assert other == pytest.approx(serial, rel=LOSS_RTOL), (name, other, serial)
+
+
+def test_the_cpu_attention_path_depends_on_the_sequence_not_on_the_local_queries() -> None:
+    """A context-parallel rank holds a slice of the queries and all the keys: it must take
+    the kernel the serial model takes for the whole sequence."""
+    n = math.isqrt(precision.MATH_PATH_MAX_SCORES) + 1  # just past the math-path limit
+    seen = []
+    sdpa, math_path = F.scaled_dot_product_attention, precision.math_attention
+    F.scaled_dot_product_attention = lambda *a, **kw: seen.append("sdpa") or sdpa(*a, **kw)
+    precision.math_attention = lambda *a, **kw: seen.append("math") or math_path(*a, **kw)
+    try:
+        k = torch.randn(1, 1, n, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for queries in (n, n // 2):  # serial, and a cp = 2 rank
+                precision.attention(torch.randn(1, 1, queries, 8), k, k)
+    finally:
+        F.scaled_dot_product_attention, precision.math_attention = sdpa, math_path
+    assert seen == ["sdpa", "sdpa"], seen

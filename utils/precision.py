@@ -102,7 +102,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     On CUDA, reduced-precision SDPA is kept (flash attention is fast there).
     """
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        if q.shape[-2] * k.shape[-2] <= MATH_PATH_MAX_SCORES:
+        # Decided by the key length, the whole sequence in every layout: context-parallel
+        # ranks (fewer queries each) take the path the serial model takes.
+        if k.shape[-2] ** 2 <= MATH_PATH_MAX_SCORES:
             return math_attention(q, k, v, dropout_p, torch.get_autocast_dtype("cpu"))
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
