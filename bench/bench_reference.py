@@ -42,6 +42,7 @@ from bench.ceilings import sync
 from bench.common import find_data, machine_label
 from bench.step_runner import StepRunner
 from utils import comm
+from utils.allocator import keep_freed_memory
 from utils.cli import build_parser, load_params
 from utils.precision import autocast
 from utils.run.setup import set_batch_sizes
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
     _, device = comm.init_process()
+    keep_freed_memory()  # as train.py's setup_run
     params = load_params(args)
     tmp = find_data(params)
     paths = {k: params[k] for k in DATA_PATH_KEYS}

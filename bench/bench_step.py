@@ -13,8 +13,9 @@ Per setting:
 (b) bare step: train.py's `train_step` on one random batch kept in memory;
 (c) full step: train.py's loop body: the next batch from the real loader (a new epoch when
     one ends), copy in, `train_step`, scheduler step.
-In each of `--repeats` rounds every setting measures (a), then a block of `--iters` steps
-of (b) and of (c) (the blocks swap places each round). A block counts its median step;
+In each of `--repeats` rounds every setting (in an order rotating from round to round)
+measures (a), then a block of `--iters` steps of (b) and of (c) (the blocks swap places each
+round). A block counts its median step;
 ratios ((c)/(b), fractions of the ceilings) are formed within a round, and every number
 printed is a median over rounds. Then, budget permitting, a profiled pass splits each
 setting's full step into GEMM / attention / elementwise+norm / optimizer / loader / Python.
@@ -43,6 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from bench import clock
 from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import find_data, machine_label
@@ -50,6 +52,7 @@ from bench.report import Summary, print_report, print_split, print_table, summar
 from bench.step_runner import StepRunner
 from networks import training_flops
 from utils import comm
+from utils.allocator import keep_freed_memory
 from utils.cli import build_parser, load_params
 from utils.precision import autocast_dtype, resolved
 from utils.run.setup import set_batch_sizes
@@ -71,11 +74,11 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
 @dataclass
 class Block:
     """One round of one setting: median seconds per bare and per full step, its n^3 matmul
-    ceiling (GFLOP/s, None if skipped) and shape-true ceiling (seconds) before them."""
+    ceiling (GFLOP/s) and shape-true ceiling (seconds) before them (None: skipped)."""
     bare_s: float
     full_s: float
     mm_gflops: float | None
-    shape_true_s: float
+    shape_true_s: float | None
 
 
 def case_params(args: argparse.Namespace, overrides: dict[str, Any],
@@ -99,7 +102,10 @@ def ladder_cases(args: argparse.Namespace, data_paths: dict[str, str], log_dir: 
     opt = f"{args.config}_opt"
     if opt in load_yaml(args.yaml_config):
         p = case_params(args, {}, data_paths, log_dir, config=opt)
-        cases.append((f"{opt} as written ({describe(p, device)})", p))
+        if describe(p, device) == describe(cases[-1][1], device):  # the ladder's top
+            cases[-1] = (f"{cases[-1][0]} = {opt}", cases[-1][1])
+        else:
+            cases.append((f"{opt} as written ({describe(p, device)})", p))
     return cases
 
 
@@ -141,9 +147,10 @@ def set_up(cases: list[tuple[str, Any]], device: torch.device, budget: Budget,
 def one_round(runners: list[StepRunner], mm: MatmulCeiling,
               ceilings: dict[str, ShapeTrueCeiling], iters: int, rep: int) -> dict[str, Block]:
     blocks = {}
-    for r in runners:
+    k = rep % len(runners)  # rotate: no setting always runs first (or after the same one)
+    for r in runners[k:] + runners[:k]:
         mm_rate = mm.gflops(r.dtype)
-        shape_true = ceilings[r.label].seconds()
+        shape_true = ceilings[r.label].seconds() if r.label in ceilings else None
         medians = {}
         for kind in (("bare", "full") if rep % 2 == 0 else ("full", "bare")):
             times = r.bare(iters) if kind == "bare" else r.full(iters, untimed=r.prefetched)
@@ -196,6 +203,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the whole run, set-up included, ends within about this many seconds")
     p.add_argument("--ceiling_size", type=int, default=2048,
                    help="largest n of the n x n x n matmul ceiling")
+    p.add_argument("--clock", choices=sorted(clock.CLOCKS), default="wall",
+                   help="time with elapsed time, or with this process's CPU time (steadier "
+                   "on a machine shared with other jobs; see bench/clock.py)")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
     return p.parse_args(argv)
@@ -204,7 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
+    clock.use(args.clock)
     _, device = comm.init_process()
+    keep_freed_memory()  # as train.py's setup_run
     base = load_params(args)
     tmp = find_data(base)
     data_paths = {k: base[k] for k in DATA_PATH_KEYS}
@@ -220,18 +232,20 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [autocast_dtype(resolved(p.amp_mode, device)) or torch.float32 for _, p in cases]
     mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
     runners = set_up(cases, device, budget, args.warmup, args.iters)
-    ceilings = {r.label: r.record_ceiling() for r in runners}
+    ceilings = shape_true_ceilings(runners, mm, budget)
     load_start = os.getloadavg()[0]
     results = measure(runners, mm, ceilings, args.iters, args.repeats, budget)
     splits = time_splits(runners, budget)
     summaries = [summarise(r.label, precision_label(r.dtype, device), results[r.label],
                            r.batch, flops) for r in runners]
-    print(f"medians over {summaries[0].rounds} interleaved rounds of {args.iters} bare and "
-          f"{args.iters} full steps per setting; 1-min load average {load_start:.1f} at the "
-          f"start, {os.getloadavg()[0]:.1f} at the end; {budget.elapsed():.0f} s in all "
-          f"(--budget_s {args.budget_s:.0f})")
-    print(f"n^3 matmul ceiling: {mm.describe()}; shape-true ceiling of a step: "
-          f"{describe_ceiling(next(iter(ceilings.values())))}\n")
+    print(f"{args.clock} clock; medians over {summaries[0].rounds} interleaved rounds of "
+          f"{args.iters} bare and {args.iters} full steps per setting; 1-min load average "
+          f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+          f"{budget.elapsed():.0f} s in all (--budget_s {args.budget_s:.0f})")
+    kinds = {f"{precision_label(r.dtype, device)}: {describe_ceiling(ceilings.get(r.label))}":
+             None for r in runners}
+    print(f"n^3 matmul ceiling: {mm.describe()}; shape-true ceiling of a step, "
+          f"{'; '.join(kinds)}\n")
     report(args, summaries, splits, ceilings)
     for r in runners:
         r.close()
@@ -240,7 +254,25 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def describe_ceiling(c: ShapeTrueCeiling) -> str:
+def shape_true_ceilings(runners: list[StepRunner], mm: MatmulCeiling,
+                        budget: Budget) -> dict[str, ShapeTrueCeiling]:
+    """Each setting's shape-true ceiling, unless replaying it would take more than a twentieth
+    of the time left (an emulated precision: its 256^3 matmul rate predicts the replay)."""
+    ceilings = {}
+    for r in runners:
+        ceiling = r.record_ceiling()
+        predicted = ceiling.gemm_gflop / mm.probe[r.dtype]
+        if predicted > max(1.0, budget.left() / 20):
+            print(f"  '{r.label}': shape-true ceiling skipped (replay ~{predicted:.0f} s at "
+                  f"{mm.probe[r.dtype]:.1f} GFLOP/s)", file=sys.stderr, flush=True)
+            continue
+        ceilings[r.label] = ceiling.prepare()
+    return ceilings
+
+
+def describe_ceiling(c: ShapeTrueCeiling | None) -> str:
+    if c is None:
+        return "skipped (emulated precision)"
     n = c.counts()
     return f"{n['gemm']} GEMMs ({c.gemm_gflop:.1f} GFLOP) and {n['attention']} attention calls"
 

@@ -18,13 +18,14 @@ equals its stride: (B*tokens, C*p*p) @ (C*p*p, D) forward, dY^T @ X for the weig
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import clock
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -56,10 +57,11 @@ class MatmulCeiling:
                  tries: int = 3, max_call_s: float = 0.25):
         self.device, self.tries = device, tries
         self.sizes: dict[torch.dtype, int] = {}
+        self.probe: dict[torch.dtype, float] = {}  # GFLOP/s of a 256^3 matmul
         self.skipped: dict[torch.dtype, float] = {}  # dtype -> probe GFLOP/s
         self.operands: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         for dtype in dict.fromkeys(dtypes):
-            probe = self._rate(*self._pair(256, dtype), tries=2)
+            probe = self.probe[dtype] = self._rate(*self._pair(256, dtype), tries=2)
             fits = [s for s in CEILING_SIZES if s <= n and 2 * s**3 / probe / 1e9 <= max_call_s]
             if not fits:
                 self.skipped[dtype] = probe
@@ -76,10 +78,10 @@ class MatmulCeiling:
         best = float("inf")
         for _ in range(tries):
             sync(self.device)
-            start = time.perf_counter()
+            start = clock.now()
             torch.mm(a, b)
             sync(self.device)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock.now() - start)
         return 2 * a.shape[0] ** 3 / best / 1e9
 
     def gflops(self, dtype: torch.dtype) -> float | None:
@@ -231,11 +233,11 @@ class ShapeTrueCeiling:
         rec = Recorder()
         with rec:
             fwd_bwd()
-        ceiling = cls(device, rec.calls)
-        ceiling._prepare()
-        return ceiling
+        return cls(device, rec.calls)
 
-    def _prepare(self) -> None:
+    def prepare(self) -> ShapeTrueCeiling:
+        """Make the random inputs and run every call once (warm-up): needed before
+        `seconds` and `split`."""
         inputs: dict[int, tuple] = {}
         outputs: dict[int, tuple] = {}
 
@@ -255,6 +257,7 @@ class ShapeTrueCeiling:
                 out = c.op(*args, **kwargs)  # also the warm-up call
             outputs[i] = out if isinstance(out, (tuple, list)) else (out,)
             self._prepared.append((c.op, args, kwargs))
+        return self
 
     @property
     def gemm_gflop(self) -> float:
@@ -269,11 +272,11 @@ class ShapeTrueCeiling:
         with torch.no_grad():
             for _ in range(tries):
                 sync(self.device)
-                start = time.perf_counter()
+                start = clock.now()
                 for op, args, kwargs in self._prepared:
                     op(*args, **kwargs)
                 sync(self.device)
-                best = min(best, time.perf_counter() - start)
+                best = min(best, clock.now() - start)
         return best
 
     def split(self, tries: int = 2) -> dict[str, float]:
@@ -286,10 +289,10 @@ class ShapeTrueCeiling:
                 best = float("inf")
                 for _ in range(tries):
                     sync(self.device)
-                    start = time.perf_counter()
+                    start = clock.now()
                     for op, args, kwargs in chosen:
                         op(*args, **kwargs)
                     sync(self.device)
-                    best = min(best, time.perf_counter() - start)
+                    best = min(best, clock.now() - start)
                 result[kind] = best
         return result

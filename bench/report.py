@@ -20,11 +20,11 @@ class Summary:
     gflops: float
     mm_gflops: float | None  # the n^3 matmul ceiling of its precision (None: skipped)
     frac_mm: float | None
-    shape_true_s: float
-    frac_shape_true: float
+    shape_true_s: float | None  # None: skipped
+    frac_shape_true: float | None
     rounds: int
     overhead_range: tuple[float, float]  # lowest and highest round
-    frac_shape_true_range: tuple[float, float]
+    frac_shape_true_range: tuple[float, float] | None
 
 
 def summarise(label: str, precision: str, blocks: list[Any], batch: int,
@@ -33,7 +33,7 @@ def summarise(label: str, precision: str, blocks: list[Any], batch: int,
     med = statistics.median
     step_gflop = flops_per_sample * batch / 1e9
     overheads = [b.full_s / b.bare_s for b in blocks]
-    fracs = [b.shape_true_s / b.full_s for b in blocks]
+    fracs = [b.shape_true_s / b.full_s for b in blocks if b.shape_true_s is not None]
     mm = [b for b in blocks if b.mm_gflops]
     return Summary(
         label=label, precision=precision,
@@ -43,10 +43,10 @@ def summarise(label: str, precision: str, blocks: list[Any], batch: int,
         gflops=med(step_gflop / b.full_s for b in blocks),
         mm_gflops=med(b.mm_gflops for b in mm) if mm else None,
         frac_mm=med(step_gflop / b.full_s / b.mm_gflops for b in mm) if mm else None,
-        shape_true_s=med(b.shape_true_s for b in blocks),
-        frac_shape_true=med(fracs), rounds=len(blocks),
+        shape_true_s=med(b.shape_true_s for b in blocks) if fracs else None,
+        frac_shape_true=med(fracs) if fracs else None, rounds=len(blocks),
         overhead_range=(min(overheads), max(overheads)),
-        frac_shape_true_range=(min(fracs), max(fracs)))
+        frac_shape_true_range=(min(fracs), max(fracs)) if fracs else None)
 
 
 def _frac(x: float | None) -> str:
@@ -63,6 +63,9 @@ def print_report(s: Summary) -> None:
           f"(rounds: {lo:.3f} to {hi:.3f})")
     mm = "skipped" if s.mm_gflops is None else f"{s.mm_gflops:.1f} GFLOP/s"
     print(f"(a) n^3 matmul ceiling ({s.precision}): {mm}; (c) reaches {_frac(s.frac_mm)} of it")
+    if s.frac_shape_true_range is None:
+        print(f"(a) shape-true ceiling ({s.precision}): skipped")
+        return
     lo, hi = s.frac_shape_true_range
     print(f"(a) shape-true ceiling ({s.precision}): {s.shape_true_s * 1e3:.1f} ms per step; "
           f"(c) reaches {s.frac_shape_true:.2f} of it (rounds: {lo:.2f} to {hi:.2f})")
@@ -74,7 +77,7 @@ def print_table(summaries: list[Summary]) -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for s in summaries:
         print(f"| {s.label} | {s.precision} | {s.full_sps:.1f} | {s.overhead:.3f} "
-              f"| {s.gflops:.1f} | {_frac(s.frac_mm)} | {s.frac_shape_true:.2f} |")
+              f"| {s.gflops:.1f} | {_frac(s.frac_mm)} | {_frac(s.frac_shape_true)} |")
 
 
 def print_split(splits: dict[str, dict[str, float]],

@@ -4,13 +4,13 @@ profile need (the eager model, the precision it computes in)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
+from bench import clock
 from bench.ceilings import ShapeTrueCeiling, sync
 from bench.time_split import LOADER_RANGE, profile_split
 from networks import build_model
@@ -72,18 +72,22 @@ class StepRunner:
                 return next(self.batches)
 
     def warm_up(self, n: int) -> None:
-        """Untimed steps (torch.compile compiles here); sets `step_s`."""
+        """Untimed steps (torch.compile compiles here); sets `step_s`, the wall time of a
+        full step, which the time budget plans with."""
         self.bare(n)
-        self.step_s = statistics.median(self.full(max(n, 1), untimed=self.prefetched))
+        self.full(0, untimed=self.prefetched)
+        start, n = time.perf_counter(), max(n, 1)
+        self.full(n)
+        self.step_s = (time.perf_counter() - start) / n
 
     def bare(self, n: int) -> list[float]:
         """Seconds of each of `n` `train_step`s on the in-memory batch."""
         times = []
         for _ in range(n):
-            start = time.perf_counter()
+            start = clock.now()
             self._step(self.inp, self.tar)
             sync(self.device)
-            times.append(time.perf_counter() - start)
+            times.append(clock.now() - start)
         return times
 
     def full(self, n: int, untimed: int = 0) -> list[float]:
@@ -91,10 +95,10 @@ class StepRunner:
         `untimed` steps that bring the loader's workers to their steady state."""
         times = []
         for i in range(untimed + n):
-            start = time.perf_counter()
+            start = clock.now()
             self.full_step()
             if i >= untimed:
-                times.append(time.perf_counter() - start)
+                times.append(clock.now() - start)
         return times
 
     def full_step(self) -> None:
@@ -107,7 +111,7 @@ class StepRunner:
 
     def record_ceiling(self) -> ShapeTrueCeiling:
         """The GEMMs and attention calls of one of its training steps (bench/ceilings.py),
-        recorded from one eager forward and backward at its precision."""
+        recorded from one eager forward and backward at its precision (not yet prepared)."""
         model = eager(self.model)
 
         def forward_backward() -> None:

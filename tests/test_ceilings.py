@@ -36,7 +36,7 @@ def record(model: VisionTransformer, dtype: torch.dtype | None) -> ShapeTrueCeil
             loss = l2_loss(model(x), y)
         loss.backward()
 
-    return ShapeTrueCeiling.record(forward_backward, CPU)
+    return ShapeTrueCeiling.record(forward_backward, CPU).prepare()
 
 
 def test_every_linear_gives_three_gemms_and_the_patch_embedding_two():
@@ -129,3 +129,22 @@ def test_the_budget_alarm_interrupts_a_long_set_up():
     with pytest.raises(OverBudget):
         with budget.alarm(0.0):
             pass
+
+
+def test_a_shape_true_ceiling_too_slow_to_replay_is_skipped(tiny_params, tmp_path, capsys):
+    """An emulated precision (bf16 on an AVX2-only CPU: 0.9 GFLOP/s) would spend minutes
+    replaying one step's GEMMs; its probe rate, injected here, predicts that, and the
+    ceiling is skipped instead of eating the budget."""
+    from bench.bench_step import shape_true_ceilings
+    from bench.step_runner import StepRunner
+
+    tiny_params.update({"expdir": str(tmp_path), "amp_mode": "bf16", "resume": None,
+                        "requeue": False, "noddp": False, "bucket_cap_mb": 25,
+                        "disable_broadcast_buffers": False})  # run-only flags (utils.cli)
+    runner = StepRunner("tiny bf16", tiny_params, CPU)
+    mm = MatmulCeiling(CPU, [torch.bfloat16], n=256)
+    assert set(shape_true_ceilings([runner], mm, Budget(60.0))) == {"tiny bf16"}
+    mm.probe[torch.bfloat16] = 1e-6  # GFLOP/s: the replay would take hours
+    assert shape_true_ceilings([runner], mm, Budget(60.0)) == {}
+    assert "'tiny bf16': shape-true ceiling skipped" in capsys.readouterr().err
+    runner.close()

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from utils import comm
+from utils.allocator import keep_freed_memory
 from utils.errors import ConfigError
 from utils.launch_env import LaunchEnv
 from utils.run.disk import free_space
@@ -58,7 +59,9 @@ def set_batch_sizes(params: Any, dp_size: int) -> None:
 
 
 def setup_run(params: Any, env: LaunchEnv, device: torch.device) -> str:
-    """Logging on rank 0 (stdout and out.log), batch sizes, seeds; returns the run dir."""
+    """Logging on rank 0 (stdout and out.log), batch sizes, seeds, the allocator setting
+    (utils/allocator.py); returns the run dir."""
+    keep_freed_memory()  # no page faults on every step's fresh activations
     world_rank, world_size = comm.get_world_rank(), comm.get_world_size()
     config_logger(world_rank)
     set_batch_sizes(params, comm.get_size("dp"))
