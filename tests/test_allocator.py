@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 
 PROBE = """
 import resource, sys
@@ -34,6 +34,7 @@ def probe(env: dict[str, str] | None = None) -> tuple[bool, int]:
     return kept == "True", int(faults)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_freed_memory_is_reused_without_page_faults():
     kept, faults = probe()
@@ -41,6 +42,7 @@ def test_freed_memory_is_reused_without_page_faults():
     assert faults < 100, f"{faults} page faults per step (a step allocates ~11,000 pages)"
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_a_malloc_environment_variable_wins():
     kept, _ = probe({"MALLOC_CHECK_": "0"})
