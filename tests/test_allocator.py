@@ -39,7 +39,8 @@ def probe(env: dict[str, str] | None = None) -> tuple[bool, int]:
 def test_freed_memory_is_reused_without_page_faults():
     kept, faults = probe()
     assert kept
-    assert faults < 100, f"{faults} page faults per step (a step allocates ~11,000 pages)"
+    # without the setting a step faults in ~11,000 fresh pages; reused memory, a few dozen
+    assert faults < 1000, f"{faults} page faults per step (a step allocates ~11,000 pages)"
 
 
 @pytest.mark.e2e
