@@ -1,13 +1,19 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+# `make evaluate` scores the trained model's 5-day forecasts (inference.py).
 # On a GPU node, `make test-gpu` first (tests/gpu, a few minutes; PY=<python> to use another
 # interpreter, e.g. a container's venv, instead of .venv).
+# While changing code: `make test-fast` (the unit tier, under a minute), then the tier you
+# touched: `make test-dist` (several ranks) or `make test-e2e` (scripts run as users run them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= data/synthetic
 CONFIG ?= cpu_short
 
-.PHONY: venv data train test test-gpu lint bench clean
+# The unit tier is every test without a tier marker (pyproject.toml lists the markers).
+UNIT := not distributed and not e2e and not slurm and not gpu
+
+.PHONY: venv data train evaluate test test-fast test-dist test-e2e test-gpu lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +31,21 @@ data: $(DATA_DIR)/stats/time_means.npy
 train: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) train.py --config=$(CONFIG)
 
+evaluate: venv data
+	DATA_DIR=$(DATA_DIR) $(PY) inference.py --config=$(CONFIG)
+
+# Everything (what CI runs): unit, distributed, e2e and SLURM; tests/gpu skips without CUDA.
 test: venv
 	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "$(UNIT)" tests
+
+test-dist: venv
+	$(PY) -m pytest -q -m "distributed and not e2e and not gpu" tests
+
+test-e2e: venv
+	$(PY) -m pytest -q -m "e2e and not gpu" tests
 
 # The GPU self-test. Without a visible CUDA device it fails (make test skips it instead).
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),venv)

@@ -1,7 +1,8 @@
 #!/bin/bash
-# Model-parallel training (tensor/context parallel, and data parallel on top), 4 tasks per
-# node, e.g.
+# Model-parallel training (tensor/context parallel, or the AFNO's grid split over an h x w
+# mesh; data parallel on top), 4 tasks per node, e.g.
 #     sbatch --nodes 4 submit_pm_mp.sh --config=mp --row_parallel_size=4
+#     sbatch --nodes 4 submit_pm_mp.sh --config=afno --h_parallel_size=4
 # Runs train_mp.py; ENABLE_CUDA_GRAPHS=1 runs train_mp_graphs.py, TRAIN_SCRIPT=<file> any
 # other. Arguments after the script go to it. Submit from the repository root.
 #

@@ -1,4 +1,4 @@
-"""Train the ViT weather forecaster on one device, or data-parallel with DDP.
+"""Train the weather forecaster (the config's `model`: ViT or AFNO) on one device, or DDP.
 
     python train.py --config=cpu_short                          # one process (CPU or GPU)
     torchrun --nproc_per_node 2 train.py --config=cpu_bs32_opt  # data parallel
@@ -10,6 +10,13 @@ What a run is made of (loaders, optimizer, checkpoints, ...) is built by
 train_mp.py reuses `train()` and changes only the model and the step.
 """
 
+if __name__ == "__main__":
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
+    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
+    from utils.run.signals import stop_during_startup
+
+    stop_during_startup()
+
 import logging
 import os
 import sys
@@ -20,7 +27,7 @@ import time
 # thread needs, and a 2-thread CPU step ran 2-4x slower. Set OMP_WAIT_POLICY to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from networks.vit import vit_from_params
+from networks import build_model
 from utils import comm
 from utils.cli import build_parser, load_params
 from utils.evaluation import validate
@@ -31,11 +38,12 @@ from utils.training import Training, build_training, train_step, wrap_model
 log = logging.getLogger("train")
 
 
-def train(params, device, model, step=train_step, checkpoint_hooks=None, capturable=False):
+def train(params, device, model, step=train_step, checkpoint_hooks=None, capturable=False,
+          tile=None):
     """The training loop: `num_iters` optimizer steps, in epochs over the training data.
-    `step` and the checkpoint hooks are what the model-parallel and CUDA-graph scripts
-    swap in."""
-    run = build_training(params, device, model, checkpoint_hooks, capturable)
+    `step`, the checkpoint hooks and the `tile` of the grid each rank holds (spatial
+    parallelism) are what the model-parallel and CUDA-graph scripts swap in."""
+    run = build_training(params, device, model, checkpoint_hooks, capturable, tile)
     if hasattr(step, "prepare"):  # train_mp_graphs.py: capture the CUDA graph before the loop
         step.prepare(run)
     progress = run.progress
@@ -72,7 +80,7 @@ def end_of_epoch(run: Training, train_loss, train_time: float = 0.0, steps: int 
     """Validation and the epoch's log lines and TensorBoard scalars (train_loss None: the
     initial validation of an untrained model)."""
     val_start = time.time()
-    val = validate(run.model, run.val_loader, run.device, run.params, run.norm)
+    val = validate(run.model, run.val_loader, run.device, run.params, run.norm, tile=run.tile)
     val_time = time.time() - val_start
     iters, t2m = run.progress.iters, run.norm.channel(2)
     if train_loss is None:
@@ -91,7 +99,7 @@ def main(argv=None):
     params = load_params(build_parser(__doc__.splitlines()[0]).parse_args(argv))
     env, device = comm.init_process()
     setup_run(params, env, device)
-    model = wrap_model(vit_from_params(params).to(device), params, device)
+    model = wrap_model(build_model(params).to(device), params, device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"Model: {n_params / 1e6:.2f} M parameters; "
              f"memory after set-up {peak_memory_gb(device):.2f} GB")

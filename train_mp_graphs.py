@@ -20,16 +20,25 @@ this file adds on top of train_mp.py:
 Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
+if __name__ == "__main__":
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
+    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
+    from utils.run.signals import stop_during_startup
+
+    stop_during_startup()
+
 import logging
 import sys
 
 import torch
 
 import train_mp
+from distributed import spatial_metrics
 from distributed.helpers import sync_shared_gradients
 from utils.evaluation import l2_loss
 from utils.precision import autocast
 from utils.run.main import run_main
+from utils.training import rollout_loss
 
 log = logging.getLogger("train_mp_graphs")
 
@@ -42,8 +51,12 @@ class GraphedStep:
 
     def _body(self, run, inp, tar):
         """What the graph holds: train_mp.py's step without the eager-only parts."""
+        loss_fn = spatial_metrics.l2_loss if run.tile is not None else l2_loss
         with autocast(run.params, run.device):
-            loss = l2_loss(run.model(inp), tar)
+            if tar.dim() == inp.dim():
+                loss = loss_fn(run.model(inp), tar)
+            else:  # rollout_steps K > 1: the K-step loss (its K model calls in one graph)
+                loss = rollout_loss(run.model, inp, tar, loss_fn)
         run.scaler.scale(loss).backward()
         sync_shared_gradients(run.model)
         if not run.scaler.is_enabled():
@@ -56,9 +69,12 @@ class GraphedStep:
         self.stream = torch.cuda.Stream(device)  # on this rank's GPU, after set_device
         saved = _snapshot(run)
         with torch.random.fork_rng(devices=[device]):
-            shape = (int(p.local_batch_size), int(p.n_in_channels), *p.img_size)
+            grid = run.tile.shape if run.tile is not None else p.img_size  # this rank's fields
+            shape = (int(p.local_batch_size), int(p.n_in_channels), *grid)
             self.static_inp = torch.randn(shape, device=device)
-            self.static_tar = torch.randn(shape, device=device)
+            steps = int(p.get("rollout_steps", 1) or 1)
+            tar_shape = shape if steps == 1 else (shape[0], steps, *shape[1:])
+            self.static_tar = torch.randn(tar_shape, device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
                 for _ in range(self.warmup_iters):

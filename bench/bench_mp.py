@@ -125,7 +125,6 @@ def worker(args: argparse.Namespace) -> None:
     import tempfile
 
     import torch
-    import torch.distributed as dist
 
     import train_mp
     from bench.common import find_data
@@ -161,10 +160,7 @@ def worker(args: argparse.Namespace) -> None:
             "peak": peak_memory_gb(device), "steps": steps, "cpu": cpu, "comms": comms,
             "loss": first_loss, "batch": int(params.local_batch_size),
             "threads": torch.get_num_threads()}
-    everyone: list[Any] = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    everyone = from_every_rank(mine)
     if comm.get_world_rank() == 0:
         print(RESULT_TAG + json.dumps(summarise(tp, everyone)), flush=True)
     run.close()
@@ -206,6 +202,17 @@ def time_steps(run: Any, inp: Any, tar: Any, warmup: int, iters: int
     return steps, cpu, comms, first_loss
 
 
+def from_every_rank(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's measurements, on every rank (one small all-gather of Python objects)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def summarise(tp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One table row from every rank's measurements."""
     slowest = [max(times) for times in zip(*(r["steps"] for r in ranks), strict=True)]
@@ -241,30 +248,39 @@ def available_cores() -> int:
 def launch(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     """torchrun this module with --worker on tp processes; returns rank 0's summary row."""
     threads = args.threads_per_rank or max(1, available_cores() // tp)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "-m", "bench.bench_mp", "--worker", "--config", args.config,
-           "--yaml_config", args.yaml_config, "--tp", str(tp), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--threads", str(threads)]
+    worker = ["--config", args.config, "--yaml_config", args.yaml_config, "--tp", str(tp),
+              "--iters", str(args.iters), "--warmup", str(args.warmup),
+              "--threads", str(threads)]
     if args.local_batch_size is not None:
-        cmd += ["--local_batch_size", str(args.local_batch_size)]
+        worker += ["--local_batch_size", str(args.local_batch_size)]
     if args.amp_mode is not None:
-        cmd += ["--amp_mode", args.amp_mode]
+        worker += ["--amp_mode", args.amp_mode]
+    return torchrun_result("bench.bench_mp", tp, worker, threads, args.timeout, RESULT_TAG,
+                           f"tp={tp}")
+
+
+def torchrun_result(module: str, nproc: int, worker_args: list[str], threads: int,
+                    timeout: float, tag: str, what: str) -> dict[str, Any]:
+    """torchrun `module --worker ...` on `nproc` local processes with `threads` threads each;
+    rank 0's result: the JSON on the stdout line starting with `tag`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "-m", module, "--worker", *worker_args]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: no spinning on shared cores
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"tp={tp}: no result within {args.timeout:.0f} s") from None
+        raise RuntimeError(f"{what}: no result within {timeout:.0f} s") from None
     for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    err = proc.stderr
-    first = err.find("Traceback")  # the failing rank's own traceback, not torchrun's
-    tail = "\n".join(err[max(first, 0):].splitlines()[:30])
-    raise RuntimeError(f"tp={tp}: exit code {proc.returncode}, no result\n{tail}")
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
+    first = proc.stderr.find("Traceback")  # the failing rank's own traceback, not torchrun's
+    tail = "\n".join(proc.stderr[max(first, 0):].splitlines()[:30])
+    raise RuntimeError(f"{what}: exit code {proc.returncode}, no result\n{tail}")
 
 
 def model_summary(args: argparse.Namespace) -> tuple[str, int]:
@@ -326,15 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"world = tp, dp = 1; {batch_note}; random in-memory batch; "
           f"{args.warmup} warm-up + {args.iters} timed steps per tp; "
           f"{available_cores()} cores shared by the ranks.", flush=True)
-    rows = []
-    for tp in args.tp:
-        start = time.time()
-        try:
-            rows.append(launch(args, tp))
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"  tp={tp} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    from bench.common import run_each  # the launcher itself needs no torch until here
+
+    rows = run_each(args.tp, lambda tp: launch(args, tp), lambda tp: f"tp={tp}")
+    if rows is None:
+        return 1
     print(flush=True)
     print(table(rows), flush=True)
     print(flush=True)

@@ -19,7 +19,7 @@ round). A block counts its median step;
 ratios ((c)/(b), fractions of the ceilings) are formed within a round, and every number
 printed is a median over rounds. Then, budget permitting, a profiled pass splits each
 setting's full step into GEMM / attention / elementwise+norm / optimizer / loader / Python.
-Model FLOP/s are analytic (`training_flops_per_sample` x samples/s): useful model work.
+Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model work.
 `--budget_s` bounds the whole run, set-up included: settings that would not fit are skipped
 (a torch.compile that runs too long is interrupted), rounds stop when the next would overrun.
 Every setting is built by `utils.training.build_training` and steps with its `train_step`,
@@ -50,7 +50,7 @@ from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import find_data, machine_label
 from bench.report import Summary, print_report, print_split, print_table, summarise
 from bench.step_runner import StepRunner
-from networks.vit import training_flops_per_sample
+from networks import training_flops
 from utils import comm
 from utils.allocator import keep_freed_memory
 from utils.cli import build_parser, load_params
@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = find_data(base)
     data_paths = {k: base[k] for k in DATA_PATH_KEYS}
     log_dir = tempfile.mkdtemp(prefix="bench_step_logs_")  # run logs nobody reads
-    flops = training_flops_per_sample(tuple(base.img_size), base.patch_size,
-                                      base.n_in_channels, base.n_out_channels, base.embed_dim,
-                                      base.depth)
+    flops = training_flops(base)
     if args.table:
         cases = ladder_cases(args, data_paths, log_dir, device)
     else:

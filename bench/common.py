@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from utils.data.synthetic import generate
+from utils.hardware import cpu_name
 from utils.YParams import DATA_PATH_KEYS
 
 
@@ -40,13 +44,21 @@ def machine_label(device: torch.device) -> str:
     """The device, its vector ISA and the settings that change CPU timings."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{name} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads, "
+    return (f"{cpu_name()}, {torch.get_num_threads()} torch threads, "
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, torch {torch.__version__}")
+
+
+def run_each(cases: Sequence[Any], launch: Callable[[Any], dict], label: Callable[[Any], str]
+             ) -> list[dict] | None:
+    """`launch(case)` for every case (a multi-process run each), timing each on stderr;
+    None after printing the first failure's one-line error."""
+    rows = []
+    for case in cases:
+        start = time.time()
+        try:
+            rows.append(launch(case))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return None
+        print(f"  {label(case)} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    return rows

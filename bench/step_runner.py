@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from bench import clock
 from bench.ceilings import ShapeTrueCeiling, sync
 from bench.time_split import LOADER_RANGE, profile_split
-from networks.vit import vit_from_params
+from networks import build_model
 from utils.evaluation import l2_loss
 from utils.precision import autocast, autocast_dtype
 from utils.run.setup import seed_everything
@@ -32,7 +32,7 @@ class StepRunner:
     def __init__(self, label: str, params: Any, device: torch.device):
         self.label, self.params, self.device = label, params, device
         seed_everything(params.seed)
-        model = wrap_model(vit_from_params(params).to(device), params, device)
+        model = wrap_model(build_model(params).to(device), params, device)
         self.run = build_training(params, device, model)  # settles amp_mode 'auto'
         self.model, self.scheduler = self.run.model, self.run.scheduler
         self.loader, self.sampler = self.run.train_loader, self.run.train_sampler

@@ -25,6 +25,7 @@ from distributed.helpers import (
     shard_tensor,
 )
 from utils import comm
+from utils.tile import Tile
 
 SPATIAL_GROUPS = ("h", "w")
 
@@ -39,6 +40,14 @@ def tile_bounds(grid: tuple[int, int], patch_size: int = 1) -> tuple[slice, slic
         start = sum(sizes[: comm.get_rank(axis)])
         bounds.append(slice(start * patch_size, (start + sizes[comm.get_rank(axis)]) * patch_size))
     return bounds[0], bounds[1]
+
+
+def field_tile(img_size: tuple[int, int] | list[int], patch_size: int) -> Tile:
+    """This rank's `Tile` of the (H, W) field: the pixels under its tokens. The loaders read
+    only it, and the skill scores (utils.evaluation) sum over it and then over the mesh."""
+    H, W = (int(n) for n in img_size)
+    rows, cols = tile_bounds((H // patch_size, W // patch_size), patch_size)
+    return Tile((H, W), rows, cols)
 
 
 def scatter_image(x: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from distributed.fft import RealFFT2, kept_modes
 from networks.vit import MLP, init_weights
+from utils.precision import patch_conv
 
 
 class SerialGrid:
@@ -153,7 +154,8 @@ class AFNONet(nn.Module):
             raise ValueError(f"input tile {tuple(x.shape[-2:])} != {(h * p, w * p)}: "
                              f"{h} x {w} tokens of patch {p} on this rank")
         # channels last, contiguous once: every later layer acts on the last dim
-        x = self.patch_embed(x).permute(0, 2, 3, 1).contiguous() + self.pos_embed
+        x = patch_conv(self.patch_embed, x)  # fp32 on CPU: see utils.precision.patch_conv
+        x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
         for block in self.blocks:
             x = block(x)
         x = self.head(self.norm(x))  # (B, h, w, p*p*C_out)
@@ -221,19 +223,9 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
 
 
 def afno_from_params(params: Any, layers: Any = None) -> AFNONet:
-    """Build the model from a config (`YParams`); spatially parallel (the token grid split
-    over the h x w mesh) when `utils.comm` was initialised with h * w > 1."""
-    from utils import comm
-    from utils.errors import ConfigError
-
-    check_afno_params(params)
-    if comm.get_size("tp-cp") > 1:
-        raise ConfigError(f"model afno splits the grid over h and w, not tp/cp: got "
-                          f"tp={comm.get_size('tp')} cp={comm.get_size('cp')}")
-    if layers is None and comm.get_size("h-w") > 1:
-        from distributed.spatial import SpatialLayers
-
-        layers = SpatialLayers()
+    """Build the model from a config (`YParams`, already checked by the config schema).
+    `layers`: the layer factory, serial by default; train_mp.py passes
+    `distributed.spatial.SpatialLayers()` when the grid is split over h x w ranks."""
     return AFNONet(
         img_size=tuple(params.img_size),
         patch_size=params.patch_size,
@@ -248,24 +240,3 @@ def afno_from_params(params: Any, layers: Any = None) -> AFNONet:
         layers=layers,
         seed=int(getattr(params, "seed", 0) or 0),
     )
-
-
-def check_afno_params(params: Any) -> None:
-    """One-line ConfigErrors for AFNO settings that cannot build a model."""
-    from utils import comm
-    from utils.errors import ConfigError
-
-    H, W = params.img_size
-    p, D, nb = params.patch_size, params.embed_dim, getattr(params, "num_blocks", None)
-    if H % p or W % p:
-        raise ConfigError(f"img_size {H}x{W} is not a multiple of patch_size {p}")
-    if not isinstance(nb, int) or nb < 1 or D % nb:
-        raise ConfigError(f"num_blocks must be a positive divisor of embed_dim {D}, got {nb}")
-    fraction = float(getattr(params, "hard_thresholding_fraction", 1.0))
-    if not 0.0 < fraction <= 1.0:
-        raise ConfigError(f"hard_thresholding_fraction must be in (0, 1], got {fraction}")
-    for axis, tokens in (("h", H // p), ("w", W // p)):
-        if comm.get_size(axis) > tokens:
-            raise ConfigError(f"{axis}_parallel_size {comm.get_size(axis)} is larger than the "
-                              f"{tokens} token {'rows' if axis == 'h' else 'columns'} of "
-                              f"img_size {H}x{W} with patch_size {p}")

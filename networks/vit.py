@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from utils.precision import attention
+from utils.precision import attention, patch_conv
 
 
 class PatchEmbed(nn.Module):
@@ -27,10 +27,11 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = patch_conv(self.proj, x)  # fp32 on CPU: see utils.precision.patch_conv
         # (B, N, D). Made contiguous once here: a transposed token stream would stay
         # transposed through every residual add and make each LayerNorm (forward and
         # backward) copy its input, ~3% of a CPU step.
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
+        return x.flatten(2).transpose(1, 2).contiguous()
 
 
 class Attention(nn.Module):

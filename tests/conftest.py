@@ -1,109 +1,71 @@
-"""Shared fixtures: a tiny synthetic data set and a helper that runs a train script.
+"""Shared fixtures, and the tier check. Everything else the tests share is in helpers.py.
 
-    def test_something(tiny_data, run_train):
+    def test_something(tiny_data, run_train):      # @pytest.mark.e2e: it runs a script
         rc, out = run_train("train.py", ["--config=tiny", "--num_iters=8"])
         rc, out = run_train("train_mp.py", ["--config=tiny", "--tp=2"], nproc=2)
 
-`run_train` returns a `TrainRun`; it unpacks to (returncode, stdout + stderr) and also keeps
-`stdout`, `stderr`, `log_dir` and `data_dir` for tests that need them.
+`run_train` returns a `helpers.TrainRun`; it unpacks to (returncode, stdout + stderr) and
+also keeps `stdout`, `stderr`, `log_dir` and `data_dir` for tests that need them.
+
+Tiers (README, "Tests"): unit tests are unmarked and run in this process; `distributed`
+tests start ranks (helpers.run_distributed), `e2e` tests start Python programs or launchers,
+`slurm` tests a SLURM cluster, `gpu` tests need CUDA. helpers' process starters fail a test
+that lacks its tier's marker; a test asking for a fixture below that runs scripts fails at
+collection.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+
+# The tests' arrays are tiny: on a couple of shared cores, BLAS and torch's intra-op threads
+# only add waiting (a tiny ViT step measured 100x slower with 2 threads than with 1 on a busy
+# 2-core machine; a numpy least-squares fit 5x). Set before numpy and torch are imported;
+# the children of e2e tests get the same from helpers.child_env.
+os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-CONFIG_FILE = REPO / "config" / "ViT.yaml"
+import helpers  # noqa: E402  (after the path set-up: helpers' lazy imports need the repo)
+import torch  # noqa: E402
+from helpers import (  # noqa: E402
+    CONFIG_FILE,
+    REFERENCE_ARGS,
+    TINY_IMG_SIZE,
+    TINY_ITERS,
+    TINY_SAMPLES_PER_YEAR,
+    TINY_YEARS,
+    TrainRun,
+    assert_completed,
+    run_script,
+)
 
-# The tiny data set: 16x32 grid (the `tiny` config's img_size), 24 samples per "year".
-TINY_IMG_SIZE = (16, 32)
-TINY_SAMPLES_PER_YEAR = 24
-TINY_YEARS = {"train": 2, "valid": 1, "test": 1}
+torch.set_num_threads(1)  # also where a pytest plugin imported torch before this file
 
-# Variables a launcher sets; stripped from a child's environment so that a test started
-# inside some job (or by torchrun) never joins it by accident.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-_LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_", "SLURM_")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class TrainRun:
-    returncode: int
-    stdout: str
-    stderr: str
-    log_dir: Path
-    data_dir: Path
-    cmd: list[str]
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def __iter__(self) -> Iterator:
-        """`rc, out = run_train(...)`."""
-        return iter((self.returncode, self.output))
-
-    def exp_dir(self, config: str, world_size: int = 1, run_num: str = "00",
-                kind: str = "CPU") -> Path:
-        """<LOG_DIR>/<config>/<N><CPU|GPU>/<run_num>, where train.py writes its run."""
-        return self.log_dir / config / f"{world_size}{kind}" / run_num
+# Fixtures that run scripts, and the marker a test using them must carry.
+FIXTURE_TIERS = {"run_train": "e2e", "reference_run": "e2e", "serial_reference": "e2e"}
 
 
-def child_env(env_extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
-    # Tests share a couple of cores: one thread per process avoids oversubscription.
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["DIST_TIMEOUT_SEC"] = "120"  # a dead rank fails the test instead of hanging it
-    env.update({k: str(v) for k, v in (env_extra or {}).items()})
-    return env
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [f"{item.nodeid} uses fixture {name}: mark it @pytest.mark.{tier}"
+                for item in items
+                for name, tier in FIXTURE_TIERS.items()
+                if name in getattr(item, "fixturenames", ()) and not item.get_closest_marker(tier)]
+    if unmarked:
+        raise pytest.UsageError("tests without their tier's marker:\n  " + "\n  ".join(unmarked))
 
 
-def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, data_dir: Path,
-               log_dir: Path, env_extra: Mapping[str, str] | None = None,
-               cwd: str | os.PathLike = REPO, timeout: float = 300,
-               nproc: int | None = None) -> TrainRun:
-    """Run `script` (relative to cwd) with `sys.executable`, DATA_DIR and LOG_DIR set;
-    with `nproc`, launch it via `python -m torch.distributed.run` on a free port."""
-    if nproc is None:
-        cmd = [sys.executable, str(script)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
-    cmd += [str(a) for a in args]
-    env = child_env({"DATA_DIR": str(data_dir), "LOG_DIR": str(log_dir), **(env_extra or {})})
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err}")
-    # Every ending of every script run here leaves torch.distributed cleanly (utils.comm).
-    assert "outlived comm.shutdown()" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
-    return TrainRun(proc.returncode, proc.stdout, proc.stderr, Path(log_dir), Path(data_dir),
-                    cmd)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures: helpers' process starters check its markers."""
+    helpers.running_test = (item.nodeid, {m.name for m in item.iter_markers()})
 
 
 @pytest.fixture(scope="session")
@@ -146,34 +108,32 @@ def run_train(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     return _run
 
 
-def slurm_job_output(cluster, job: int, timeout: float) -> str:
-    """The output of SLURM `job` once it has COMPLETED with exit 0; otherwise the test fails
-    with the job's output and the SLURM daemons' logs."""
-    try:
-        state, code = cluster.wait(job, timeout=timeout)
-    except TimeoutError as e:
-        pytest.fail(f"{e}\n--- job output\n{cluster.output(job)[-4000:]}")
-    out = cluster.output(job)
-    assert (state, code) == ("COMPLETED", 0), \
-        f"job {job}: {state} exit {code}\n--- job output\n{out[-4000:]}\n" \
-        f"--- daemons\n{cluster.daemon_logs(10)}"
-    return out
+_references: dict[tuple, TrainRun] = {}
 
 
-def start_slurm_cluster(nodes: int = 1):
-    """A private SLURM cluster on this machine (tests/slurm_cluster.py), or a visible skip
-    where it cannot run (not root, no packages): in the -ra summary, as a warning and on
-    stderr. SLURM_TESTS_REQUIRED=1 turns the skip into a failure."""
-    import warnings
+@pytest.fixture(scope="session")
+def reference_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Callable[..., TrainRun]:
+    """`reference_run(script="train.py", args=REFERENCE_ARGS, nproc=None) -> TrainRun`:
+    an uninterrupted run, made once per session (also from a background thread) and shared
+    by every test file that compares with it: the DDP, model-parallel, mpirun, resume and
+    preemption tests."""
 
-    from slurm_cluster import ClusterUnavailable, SlurmCluster
+    def _reference(script: str = "train.py", args: Sequence[str] = REFERENCE_ARGS,
+                   nproc: int | None = None) -> TrainRun:
+        key = (script, tuple(args), nproc)
+        if key not in _references:
+            run = run_script(script, args, data_dir=tiny_data, nproc=nproc, timeout=240,
+                             log_dir=tmp_path_factory.mktemp("reference"))
+            assert_completed(run, TINY_ITERS)
+            _references[key] = run
+        return _references[key]
 
-    try:
-        return SlurmCluster(nodes=nodes).start()
-    except ClusterUnavailable as e:
-        reason = f"no SLURM cluster on this machine: {e}"
-        if os.environ.get("SLURM_TESTS_REQUIRED"):
-            pytest.fail(reason + " (SLURM_TESTS_REQUIRED is set)")
-        print(f"\nSKIPPED SLURM tests: {reason}", file=sys.stderr)
-        warnings.warn(reason, stacklevel=2)
-        pytest.skip(reason)
+    return _reference
+
+
+@pytest.fixture(scope="session")
+def serial_reference(reference_run) -> TrainRun:
+    """train.py on one process, global batch 4, 16 iterations: the curve every parallel
+    layout must reproduce."""
+    return reference_run("train.py")

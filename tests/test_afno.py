@@ -23,27 +23,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import CONFIG_FILE
-from dist_utils import run_distributed
+from helpers import CONFIG_FILE, assert_trains_like_serial, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distributed.helpers import annotation_errors, sync_shared_gradients
-from distributed.layers import gather_full_grads, gather_full_state_dict, load_serial_state_dict
+from distributed.helpers import annotation_errors
+from distributed.layers import gather_full_state_dict, load_serial_state_dict
 from distributed.spatial import SpatialLayers, scatter_image
 from distributed.spatial_metrics import l2_loss as spatial_l2_loss
+from networks import build_model
 from networks.afno import (
     AFNONet,
+    SerialGrid,
     afno_from_params,
-    check_afno_params,
     count_parameters,
     flops_per_sample,
     training_flops_per_sample,
 )
+from networks.vit import VisionTransformer
 from utils import comm
-from utils.errors import ConfigError
 from utils.evaluation import l2_loss
 from utils.YParams import YParams, load_yaml
 
@@ -52,15 +51,6 @@ RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 IMG = (28, 36)
 TINY = dict(img_size=IMG, patch_size=4, in_chans=3, out_chans=2, embed_dim=16, depth=2,
             num_blocks=4)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tests share a couple of cores; more threads than cores only slows tiny models."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _params(**overrides) -> SimpleNamespace:
@@ -145,14 +135,15 @@ def test_truncation_zeroes_the_high_modes_of_the_filter_output() -> None:
     assert spec[:, ~kept].max() < 1e-5 * spec[:, kept].max()
 
 
-def test_bad_afno_settings_are_one_line_config_errors() -> None:
+def test_the_model_factory_builds_the_configs_network_serial_by_default() -> None:
+    """networks.build_model reads `model` and nothing else: no process group decides the
+    layout (a spatial layout is passed in, as train_mp.py does). Bad AFNO settings are the
+    config schema's one-line errors (tests/test_config_schema.py)."""
     comm.reset()
-    with pytest.raises(ConfigError, match="num_blocks must be a positive divisor of embed_dim"):
-        afno_from_params(_params(num_blocks=5))
-    with pytest.raises(ConfigError, match="hard_thresholding_fraction must be in"):
-        afno_from_params(_params(hard_thresholding_fraction=1.5))
-    with pytest.raises(ConfigError, match="not a multiple of patch_size"):
-        afno_from_params(_params(img_size=[30, 36]))
+    afno = YParams(CONFIG_FILE, "tiny_afno", environ={})
+    model = build_model(afno)
+    assert isinstance(model, AFNONet) and isinstance(model.layer_factory, SerialGrid)
+    assert isinstance(build_model(YParams(CONFIG_FILE, "tiny", environ={})), VisionTransformer)
 
 
 # ------------------------------------------------------------------------- configs
@@ -176,7 +167,7 @@ def test_afno_sections_are_afno_models_and_vit_sections_stay_vit() -> None:
         assert section["model"] == ("afno" if "afno" in name else "vit"), name
         assert (section["h_parallel_size"], section["w_parallel_size"]) == (1, 1), name
         if section["model"] == "afno":
-            check_afno_params(SimpleNamespace(**section))
+            YParams(CONFIG_FILE, name, environ={})  # the schema's checks across keys
     tiny = YParams(CONFIG_FILE, "tiny_afno", environ={})
     assert sum(q.numel() for q in afno_from_params(tiny).parameters()) < 100_000
 
@@ -193,12 +184,6 @@ def test_afno_bsN_opt_sections_follow_the_vits_sqrt_lr_scaling() -> None:
 
 # ------------------------------------------------------------------ spatially parallel
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 0.0) -> None:
-    err = (actual - expected).abs().max().item()
-    bound = RTOL * expected.abs().max().item() + atol
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return (torch.randn(GLOBAL_BATCH, 3, *IMG, generator=g),
@@ -207,49 +192,20 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _compare(fraction: float) -> None:
     serial = AFNONet(**TINY, hard_thresholding_fraction=fraction, seed=3)
-    model = afno_from_params(_params(hard_thresholding_fraction=fraction, seed=3))
-    assert isinstance(model.layer_factory, SpatialLayers)
+    model = afno_from_params(_params(hard_thresholding_fraction=fraction, seed=3),
+                             layers=SpatialLayers())  # as train_mp.py builds it
     for name, value in gather_full_state_dict(model).items():  # the serial initialisation
         assert torch.equal(value, serial.state_dict()[name]), f"{name} initialised differently"
     if comm.get_size("dp") > 1:
         model = DistributedDataParallel(model, process_group=comm.get_group("dp"))
-    opt_serial = torch.optim.Adam(serial.parameters(), lr=LR)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
     dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")
     local = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     layout = f"h={comm.get_size('h')} w={comm.get_size('w')} dp={dp} fraction={fraction}"
     tile = lambda t: scatter_image(t[local], serial.grid, 4)  # noqa: E731
-
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss_serial = l2_loss(serial(x), y)
-        loss_serial.backward()
-        loss = spatial_l2_loss(model(tile(x)), tile(y))
-        loss.backward()
-        sync_shared_gradients(model)
-        if step == 0:
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            _close(mean_loss / dp, loss_serial.detach(), f"{layout} loss")
-            grads = gather_full_grads(model)
-            for name, p in serial.named_parameters():
-                _close(grads[name], p.grad, f"{layout} grad of {name}")
-        opt_serial.step(), opt.step()
-        opt_serial.zero_grad(), opt.zero_grad()
-
-    full = gather_full_state_dict(model)
-    for name, p in serial.named_parameters():
-        _close(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps", ATOL_ADAM)
-    _check_replicas_identical(model)
-
-
-def _check_replicas_identical(model: torch.nn.Module) -> None:
-    """Replicated parameters stay bitwise identical on every rank of the mesh."""
-    for name, p in model.named_parameters():
-        for group_name in p.is_shared_mp:
-            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
-            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
+    assert_trains_like_serial(
+        serial, model, [_batch(step) for step in range(STEPS)],
+        lambda m, x, y: l2_loss(m(x), y), lambda m, x, y: spatial_l2_loss(m(tile(x)), tile(y)),
+        layout, LR, RTOL, ATOL_ADAM)
 
 
 def _run(h: int, w: int) -> None:
@@ -267,7 +223,7 @@ def test_spatial_model_matches_serial(h: int, w: int, world: int) -> None:
 
 def _annotations_and_checkpoints() -> None:
     comm.init(h=2, w=2)
-    model = afno_from_params(_params())
+    model = afno_from_params(_params(), layers=SpatialLayers())
     assert annotation_errors(model) == []  # every parameter sharded or shared, tp cp h w
     # pos_embed holds this rank's tile only (7 x 9 tokens -> 4 or 3 rows, 5 or 4 columns)
     rows, cols = (4, 3)[comm.get_rank("h")], (5, 4)[comm.get_rank("w")]
@@ -278,22 +234,8 @@ def _annotations_and_checkpoints() -> None:
     load_serial_state_dict(model, serial.state_dict())
     full = gather_full_state_dict(model)
     assert all(torch.equal(full[k], v) for k, v in serial.state_dict().items())
-    with pytest.raises(ConfigError, match="afno splits the grid over h and w, not tp/cp"):
-        comm.init(tp=2, h=2)
-        afno_from_params(_params())
 
 
 @pytest.mark.distributed
 def test_tiles_hold_their_pos_embed_and_checkpoints_are_layout_free() -> None:
     run_distributed(_annotations_and_checkpoints, 4)
-
-
-def _too_many_ranks() -> None:
-    comm.init(h=8)
-    with pytest.raises(ConfigError, match="h_parallel_size 8 is larger than the 7 token rows"):
-        afno_from_params(_params())
-
-
-@pytest.mark.distributed
-def test_more_ranks_than_token_rows_is_a_config_error() -> None:
-    run_distributed(_too_many_ranks, 8)

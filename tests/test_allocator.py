@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 
 PROBE = """
 import resource, sys
@@ -35,13 +35,16 @@ def probe(env: dict[str, str] | None = None) -> tuple[bool, int]:
     return kept == "True", int(faults)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_freed_memory_is_reused_without_page_faults():
     kept, faults = probe()
     assert kept
-    assert faults == 0, f"{faults} page faults in the median step (it allocates ~11,000 pages)"
+    # without the setting a step faults in ~11,000 fresh pages; reused memory, a few dozen
+    assert faults < 1000, f"{faults} page faults in the median step (it allocates ~11,000 pages)"
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_a_malloc_environment_variable_wins():
     kept, _ = probe({"MALLOC_CHECK_": "0"})

@@ -15,16 +15,14 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_SAMPLES_PER_YEAR, run_script
-from test_resume import (
-    TIMEOUT,
-    TINY_ARGS,
-    assert_finished,
+from helpers import (
+    REFERENCE_ARGS,
+    TINY_SAMPLES_PER_YEAR,
+    assert_completed,
     assert_same_state,
     epoch_losses,
-    exp_dir,
     final_checkpoint,
-    reference_run,
+    run_script,
 )
 
 from utils.data import batch_read
@@ -201,28 +199,23 @@ def test_a_read_error_in_the_thread_reaches_the_training_loop(tiny_params, datas
 # ----------------------------------------------------------------- training with it
 
 
-@pytest.fixture(scope="module")
-def plain_reference(tiny_data, tmp_path_factory):
-    return reference_run(tiny_data, tmp_path_factory, "train.py")
-
-
 @pytest.mark.e2e
 def test_prefetch_thread_trains_and_resumes_exactly_like_the_plain_loader(
-        plain_reference, tiny_data, tmp_path_factory):
+        serial_reference, tiny_data, tmp_path_factory):
     """The same run with the thread: bitwise the plain run's final state; then resumed
     mid-epoch (iteration 12 of 16, epoch 2 of 8-batch epochs) from its own checkpoint."""
-    args = [*TINY_ARGS, "--prefetch_thread"]
-    run = run_script("train.py", args, data_dir=tiny_data, timeout=TIMEOUT,
-                     log_dir=tmp_path_factory.mktemp("prefetch"))
-    assert_finished(run)
-    assert_same_state(final_checkpoint(exp_dir(run)), final_checkpoint(exp_dir(plain_reference)))
-    assert epoch_losses(run.stdout) == epoch_losses(plain_reference.stdout)
+    plain = [a for a in REFERENCE_ARGS if a != "--resume"]
+    run = run_script("train.py", [*plain, "--prefetch_thread"], data_dir=tiny_data,
+                     timeout=240, log_dir=tmp_path_factory.mktemp("prefetch"))
+    assert_completed(run, 16)
+    reference = final_checkpoint(serial_reference.exp_dir())
+    assert_same_state(final_checkpoint(run.exp_dir()), reference)
+    assert epoch_losses(run.stdout) == epoch_losses(serial_reference.stdout)
 
-    ckpt12 = exp_dir(run) / "checkpoints" / "ckpt_00000012.pt"
-    resumed = run_script("train.py", [*args[:-2], f"--resume={ckpt12}", "--prefetch_thread"],
-                         data_dir=tiny_data, timeout=TIMEOUT,
+    ckpt12 = run.exp_dir() / "checkpoints" / "ckpt_00000012.pt"
+    resumed = run_script("train.py", [*plain, f"--resume={ckpt12}", "--prefetch_thread"],
+                         data_dir=tiny_data, timeout=240,
                          log_dir=tmp_path_factory.mktemp("prefetch_resumed"))
-    assert_finished(resumed)
+    assert_completed(resumed, 16)
     assert "iteration 12, epoch 2, 4 batches into it" in resumed.stdout
-    assert_same_state(final_checkpoint(exp_dir(resumed)),
-                      final_checkpoint(exp_dir(plain_reference)))
+    assert_same_state(final_checkpoint(resumed.exp_dir()), reference)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO, TINY_IMG_SIZE, child_env
+from helpers import REPO, TINY_IMG_SIZE, child_env
 
 from networks.vit import VisionTransformer
 from utils.data.synthetic import generate

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, child_env
+from bad_data import flip_tensor_byte
+from helpers import REPO, child_env, one_line
 
 from networks.vit import vit_from_params
 from utils.precision import grad_scaler
@@ -67,12 +68,6 @@ class Run:
 def params(tiny_params):
     tiny_params.checkpoint_keep = 3
     return tiny_params
-
-
-def one_line(error: BaseException) -> str:
-    text = str(error)
-    assert "\n" not in text, text
-    return text
 
 
 # ----------------------------------------------------------------- contents and exactness
@@ -177,6 +172,7 @@ save_atomic({"weights": torch.ones(1 << 16), "stall": Stall()}, sys.argv[1])
 """
 
 
+@pytest.mark.e2e  # a real saver process, killed
 def test_killing_a_save_midway_damages_no_checkpoint(params, tmp_path):
     run = Run(params, tmp_path)
     old = run.ckpt.save(Progress(4, 1, 4))
@@ -264,6 +260,11 @@ def _truncated(good: str, out: Path) -> None:
     out.write_bytes(Path(good).read_bytes()[:4000])
 
 
+def _flipped_byte(good: str, out: Path) -> None:
+    out.write_bytes(Path(good).read_bytes())
+    flip_tensor_byte(out)
+
+
 def _random_bytes(good: str, out: Path) -> None:
     out.write_bytes(os.urandom(5000))
 
@@ -304,6 +305,7 @@ def _wrong_shape(good: str, out: Path) -> None:
 CORRUPTIONS = {
     "truncated": (_truncated, ["unreadable", "truncated"]),
     "random_bytes": (_random_bytes, ["unreadable"]),
+    "flipped_byte": (_flipped_byte, ["unreadable", "fails its CRC check"]),
     "empty": (_empty, ["unreadable", "0 bytes"]),
     "missing": (_missing, ["not found"]),
     "plain_state_dict": (_plain_state_dict, ["not a checkpoint of this project"]),
@@ -357,6 +359,32 @@ def test_resume_resolution(params, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert resolve_resume(None, exp, requeue=True) == newest
     assert resolve_resume(None, exp, requeue=False) is None
+
+
+@pytest.mark.parametrize("damage", [_truncated, _flipped_byte])
+def test_resume_auto_skips_a_damaged_newest_checkpoint(params, tmp_path, monkeypatch, caplog,
+                                                       damage):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    run = Run(params, tmp_path / "run")
+    good = run.ckpt.save(Progress(4, 1, 4))
+    newest = run.ckpt.save(Progress(8, 1, 8))
+    damage(newest, tmp_path / "damaged.pt")
+    os.replace(tmp_path / "damaged.pt", newest)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume("auto", str(tmp_path / "run")) == good
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"skipping {newest}, it is damaged" in warnings[0]
+
+
+def test_resume_auto_with_no_intact_checkpoint_is_one_error(params, tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    run = Run(params, tmp_path / "run")
+    for iters in (4, 8):
+        path = run.ckpt.save(Progress(iters, 1, iters))
+        _truncated(path, Path(path))
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume("auto", str(tmp_path / "run"))
+    assert "none of the 2 checkpoints" in one_line(e.value)
 
 
 # ----------------------------------------------------------------- the NaN/inf loss guard

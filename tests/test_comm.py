@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from helpers import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from utils import comm
@@ -101,12 +101,14 @@ def _check_layouts(layouts: list[tuple[int, int, str]]) -> None:
         raise AssertionError("indivisible layout accepted")
 
 
+@pytest.mark.distributed
 def test_groups_on_4_processes() -> None:
     layouts = [(1, 1, "tp-cp-dp"), (2, 1, "tp-cp-dp"), (1, 2, "tp-cp-dp"), (2, 2, "tp-cp-dp"),
                (4, 1, "tp-cp-dp"), (2, 1, "dp-cp-tp"), (1, 2, "cp-dp-tp"), (2, 2, "cp-tp-dp")]
     run_distributed(_check_layouts, 4, layouts)
 
 
+@pytest.mark.distributed
 def test_groups_on_8_processes() -> None:
     layouts = [(2, 2, "tp-cp-dp"), (2, 2, "dp-tp-cp"), (4, 2, "cp-tp-dp"), (2, 4, "tp-dp-cp"),
                (8, 1, "tp-cp-dp"), (1, 2, "dp-cp-tp")]
@@ -144,6 +146,7 @@ def _shutdown_after_a_ddp_step() -> int:
     return comm.gloo_threads()
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_shutdown_leaves_no_communication_thread_to_outlive_the_interpreter() -> None:
     """A gloo thread alive at interpreter exit can abort a finished run (exit -6); after

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import CONFIG_FILE
+from helpers import CONFIG_FILE, one_line
 
 from networks.vit import (
     VisionTransformer,
@@ -32,16 +32,17 @@ def cli(argv: list[str]) -> YParams:
                                                         *argv]))
 
 
+@pytest.fixture(scope="module")
+def every_section() -> dict[str, YParams]:
+    """Every section of config/ViT.yaml, loaded once for the tests that sweep them all (each
+    load parses the file); read only."""
+    return {name: params_for(name) for name in load_yaml(CONFIG_FILE)}
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DATA_DIR", raising=False)
     monkeypatch.delenv("LOG_DIR", raising=False)
-
-
-def one_line(err: pytest.ExceptionInfo) -> str:
-    msg = str(err.value)
-    assert msg and "\n" not in msg, f"not a one-line message: {msg!r}"
-    return msg
 
 
 # ----------------------------------------------------------------- anchors and merge keys
@@ -62,17 +63,14 @@ def test_merge_keys_resolve_through_the_anchor_chain_cpu_bs64_opt_cpu_opt_cpu_ba
     assert p.config == "cpu_bs64_opt" and p.yaml_config == str(CONFIG_FILE)
 
 
-def test_every_section_is_a_complete_mapping_with_the_base_keys():
-    data = load_yaml(CONFIG_FILE)
-    base_keys = set(data["base"])
-    for name in data:
-        p = params_for(name)
+def test_every_section_is_a_complete_mapping_with_the_base_keys(every_section):
+    base_keys = set(load_yaml(CONFIG_FILE)["base"])
+    for name, p in every_section.items():
         missing = base_keys - set(p.to_dict())
         assert not missing, f"{name} lacks {sorted(missing)}"
 
 
-def _scaling_sections() -> list[tuple[str, int]]:
-    names = load_yaml(CONFIG_FILE)
+def _scaling_sections(names) -> list[tuple[str, int]]:
     out = []
     for name in names:
         m = re.fullmatch(r"(?:cpu_)?bs(\d+)_opt|(?:cpu_)?mp_bs(\d+)", name)
@@ -81,24 +79,24 @@ def _scaling_sections() -> list[tuple[str, int]]:
     return out
 
 
-def test_bsN_opt_and_cpu_bsN_opt_follow_sqrt_lr_scaling_within_1_percent():
-    sections = _scaling_sections()
+def test_bsN_opt_and_cpu_bsN_opt_follow_sqrt_lr_scaling_within_1_percent(every_section):
+    sections = _scaling_sections(every_section)
     names = {n for n, _ in sections}
     for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
         assert f"bs{n}_opt" in names and f"cpu_bs{n}_opt" in names
     for name, n in sections:
-        p = params_for(name)
+        p = every_section[name]
         assert p.global_batch_size == n, name
         expected = 5e-4 * math.sqrt(n / 16)
         assert p.lr == pytest.approx(expected, rel=0.01), f"{name}: lr {p.lr} vs {expected}"
     for name in ("mp", "cpu_mp"):  # batch 64
-        assert params_for(name).lr == pytest.approx(5e-4 * math.sqrt(64 / 16), rel=0.01)
+        assert every_section[name].lr == pytest.approx(5e-4 * math.sqrt(64 / 16), rel=0.01)
 
 
-def test_cpu_bsN_opt_mirror_the_gpu_bsN_opt_batch_and_lr():
-    for name, _ in _scaling_sections():
+def test_cpu_bsN_opt_mirror_the_gpu_bsN_opt_batch_and_lr(every_section):
+    for name, _ in _scaling_sections(every_section):
         if name.startswith("bs"):
-            gpu, cpu = params_for(name), params_for("cpu_" + name)
+            gpu, cpu = every_section[name], every_section["cpu_" + name]
             assert (gpu.global_batch_size, gpu.lr) == (cpu.global_batch_size, cpu.lr)
 
 

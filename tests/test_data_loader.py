@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
+from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR, one_line
 
 from utils.data.loader import ERA5Dataset, get_data_loader
 from utils.errors import DataError
@@ -195,12 +195,6 @@ def test_validation_is_not_shuffled_and_keeps_the_last_partial_batch(tiny_params
 
 
 # ----------------------------------------------------------------- errors
-
-def one_line(err: pytest.ExceptionInfo) -> str:
-    msg = str(err.value)
-    assert msg and "\n" not in msg, f"not a one-line message: {msg!r}"
-    return msg
-
 
 def write_fields(path, shape, name="fields") -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)

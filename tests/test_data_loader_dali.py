@@ -3,7 +3,7 @@ normalisation, with real DALI pipelines on the CPU (tiny data from conftest's `t
 
 Starting DALI source workers costs seconds here (each is a fresh Python importing torch), so
 most tests use num_data_workers=0 (the same source, called in the main process) and the worker
-processes get dedicated tests.
+processes get dedicated tests (in the e2e tier, with the other tests that start interpreters).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 
 from utils.data.dali import DALIUnavailableError, get_data_loader_dali
 from utils.data.loader import get_data_loader
@@ -22,16 +22,6 @@ from utils.errors import EXIT_USER_ERROR
 from utils.run.main import run_main
 
 ATOL = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The comparisons here are small tensor ops: on a couple of shared cores, torch's
-    intra-op threads only add waiting (several times slower when the machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def dali(params, train=True, workers=0, num_replicas=1, rank=0):
@@ -62,7 +52,7 @@ def reference_shard(n: int, seed: int, epoch: int, num_replicas: int, rank: int)
     return perm[rank:total:num_replicas]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.e2e)])
 def test_same_batches_as_pytorch_loader(tiny_params, workers):
     tiny_params.num_data_workers = 0
     ref_loader, _, ref_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
@@ -162,6 +152,7 @@ def test_missing_dali_is_a_one_line_config_error(tiny_params, monkeypatch, capsy
     assert err.startswith("error: ") and err.count("\n") == 1 and "nvidia-dali-cuda120" in err
 
 
+@pytest.mark.e2e
 def test_workers_exit_with_the_process(tiny_data):
     """A script that never calls close() (like train.py) leaves no worker processes behind."""
     script = (
@@ -188,6 +179,7 @@ def test_workers_exit_with_the_process(tiny_data):
     assert not alive, f"worker processes outlived their parent: {alive}"
 
 
+@pytest.mark.e2e
 def test_train_tiny_with_dali(run_train):
     rc, out = run_train("train.py", ["--config=tiny", "--data_loader_config", "dali",
                                      "--num_data_workers", "1"], timeout=240)

@@ -13,94 +13,46 @@ Why it is the same, and why only up to rounding:
   mean gradients, which is the full-batch mean gradient with the additions done in another
   order. In fp32 that changes the last bits (~1e-7 relative per step).
 * So the logged losses agree to the 6 printed digits, and after 16 Adam steps (lr 1e-3) the
-  parameters agree to ~1e-7 absolute (measured: <= 1.2e-7). The tolerances below leave two
-  orders of magnitude of room for other CPUs, and stay far below what a real bug changes:
-  a wrong sample or a skipped all-reduce moves a parameter by ~lr = 1e-3 per step.
+  parameters agree to ~1e-7 absolute (measured: <= 1.2e-7). The tolerances (helpers.CPU_FP32)
+  leave two orders of magnitude of room for other CPUs, and stay far below what a real bug
+  changes: a wrong sample or a skipped all-reduce moves a parameter by ~lr = 1e-3 per step.
 * Adam is invariant to the scale of the gradient, so parameters alone would not notice DDP
   summing instead of averaging. Adam's first moment (exp_avg, in the checkpoint) scales with
   the gradient: comparing it catches that.
 
 The runs are real processes: `python -m torch.distributed.run --nproc_per_node 2 train.py`
-on gloo; each is shared by the tests that read it (about a minute for the file).
+on gloo; each is shared by the tests that read it (about a minute for the file). A global
+batch the ranks cannot divide is one of test_errors.py's bad inputs.
 """
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO, child_env, free_port, run_script
+from helpers import (
+    CPU_FP32,
+    TINY_ITERS,
+    TINY_ITERS_PER_EPOCH,
+    assert_completed,
+    assert_same_training,
+    final_checkpoint,
+    losses,
+    max_param_difference,
+    run_script,
+)
 
 from utils.data.loader import get_data_loader
 
-ITERS = 16               # two epochs of the tiny config: 32 samples / global batch 4
-ITERS_PER_EPOCH = 8
+ITERS = TINY_ITERS       # two epochs of the tiny config: 32 samples / global batch 4
 GLOBAL_BATCH = 4
-LOSS_RTOL = 1e-5         # printed losses have 6 decimals (~1e-6 relative at loss ~1)
-PARAM_ATOL = 1e-5        # 1% of one Adam step (lr 1e-3); measured differences ~1e-7
-MOMENT_RTOL = 1e-4       # Adam moments, relative to each tensor's largest entry; measured ~5e-7
 TIMEOUT = 240            # seconds per training subprocess
-
-
-# ----------------------------------------------------------------- helpers
-
-def assert_completed(run, iters: int = ITERS) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.output[-4000:]}"
-    assert "Traceback" not in run.output, run.output[-4000:]
-    assert f"Finished {iters} iterations" in run.stdout, run.stdout[-3000:]
-
-
-def losses(run) -> dict[str, list[float]]:
-    """The losses train.py logs: the untrained model's, then one train/val pair per epoch."""
-    def values(label: str) -> list[float]:
-        return [float(v) for v in re.findall(rf"{label}=([0-9.]+)", run.stdout)]
-
-    return {"initial": values("Initial val loss"), "train": values("Avg train loss"),
-            "val": values("Avg val loss")}
-
-
-def final_checkpoint(run, world_size: int, iters: int = ITERS) -> dict:
-    path = run.exp_dir("tiny", world_size) / "checkpoints" / f"ckpt_{iters:08d}.pt"
-    assert path.is_file(), f"no final checkpoint {path}"
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def max_param_difference(a: dict, b: dict) -> float:
-    assert a["model"].keys() == b["model"].keys()
-    return max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
-
-
-def assert_same_training(run, ref, world_size: int, ref_world_size: int = 1) -> None:
-    """Same logged losses and the same final parameters and Adam moments as `ref`."""
-    got, want = losses(run), losses(ref)
-    assert len(want["train"]) == len(want["val"]) == ITERS // ITERS_PER_EPOCH
-    for key in want:
-        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
-    a, b = final_checkpoint(run, world_size), final_checkpoint(ref, ref_world_size)
-    diff = max_param_difference(a, b)
-    assert diff <= PARAM_ATOL, f"parameters differ by up to {diff:.3g}"
-    for name, state in b["optimizer"]["state"].items():
-        for moment in ("exp_avg", "exp_avg_sq"):
-            want_m, got_m = state[moment], a["optimizer"]["state"][name][moment]
-            scale = want_m.abs().max().item()
-            err = (got_m - want_m).abs().max().item()
-            assert err <= MOMENT_RTOL * scale, (name, moment, err, scale)
 
 
 def train(tiny_data: Path, log_dir: Path, *flags: str, nproc: int | None = None,
           iters: int = ITERS):
     return run_script("train.py", ["--config=tiny", f"--num_iters={iters}", *flags],
                       data_dir=tiny_data, log_dir=log_dir, nproc=nproc, timeout=TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def single(tiny_data, tmp_path_factory):
-    """The reference: one process, global batch 4."""
-    return train(tiny_data, tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")
@@ -179,79 +131,56 @@ def test_validation_shards_are_unshuffled_disjoint_and_cover_the_set(tiny_params
 
 
 # ----------------------------------------------------------------- 2 ranks vs 1 process
+# `serial_reference` (conftest.py): train.py on one process, global batch 4, 16 iterations.
 
-def test_two_ddp_ranks_log_the_same_losses_as_one_process(single, ddp):
-    assert_completed(single)
-    assert_completed(ddp)
+@pytest.mark.e2e
+def test_two_ddp_ranks_log_the_same_losses_as_one_process(serial_reference, ddp):
+    assert_completed(ddp, ITERS)
     assert "world size 2 (env launcher), global batch 4, local batch 2" in ddp.stdout
-    assert f"{ITERS} iterations, {ITERS_PER_EPOCH} per epoch" in ddp.stdout
-    got, want = losses(ddp), losses(single)
+    assert f"{ITERS} iterations, {TINY_ITERS_PER_EPOCH} per epoch" in ddp.stdout
+    assert "FutureWarning" not in ddp.output  # DDP built with PyTorch's current arguments
+    got, want = losses(ddp), losses(serial_reference)
+    assert len(want["train"]) == len(want["val"]) == ITERS // TINY_ITERS_PER_EPOCH
     for key in want:
-        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
+        assert got[key] == pytest.approx(want[key], rel=CPU_FP32.loss_rtol), (key, got, want)
 
 
-def test_two_ddp_ranks_end_with_the_same_parameters_as_one_process(single, ddp):
-    assert_completed(single)
-    assert_completed(ddp)
-    assert_same_training(ddp, single, world_size=2)
+@pytest.mark.e2e
+def test_two_ddp_ranks_end_with_the_same_parameters_as_one_process(serial_reference, ddp):
+    assert_completed(ddp, ITERS)
+    assert_same_training(ddp, serial_reference, world_size=2)
 
 
+@pytest.mark.e2e
 def test_bucket_size_and_broadcast_flags_do_not_change_the_training(tiny_data,
                                                                    tmp_path_factory, ddp):
     """A 1 MB bucket cap (the default is 25) and gradient_as_bucket_view without buffer
     broadcasts: both only change how DDP packs and schedules the same all-reduce."""
     run = train(tiny_data, tmp_path_factory.mktemp("ddp_flags"), "--bucket_cap_mb=1",
                 "--disable_broadcast_buffers", nproc=2)
-    assert_completed(run)
+    assert_completed(run, ITERS)
+    assert "FutureWarning" not in run.output
     assert_same_training(run, ddp, world_size=2, ref_world_size=2)
 
 
+@pytest.mark.e2e
 def test_noddp_runs_and_the_ranks_then_train_on_their_shards_only(tiny_data,
                                                                   tmp_path_factory, ddp):
     run = train(tiny_data, tmp_path_factory.mktemp("noddp"), "--noddp", nproc=2)
-    assert_completed(run)
+    assert_completed(run, ITERS)
     # Without the gradient all-reduce rank 0 followed its own half-batches: the model it
     # saved is not the data-parallel one (differences ~lr per step, not ~1e-7).
-    diff = max_param_difference(final_checkpoint(run, 2), final_checkpoint(ddp, 2))
-    assert diff > 100 * PARAM_ATOL, diff
+    diff = max_param_difference(final_checkpoint(run.exp_dir("tiny", 2), ITERS),
+                                final_checkpoint(ddp.exp_dir("tiny", 2), ITERS))
+    assert diff > 100 * CPU_FP32.param_atol, diff
 
 
+@pytest.mark.e2e
 def test_local_batch_size_redefines_the_global_batch(tiny_data, tmp_path_factory):
     run = train(tiny_data, tmp_path_factory.mktemp("local_bs"), "--local_batch_size=3",
                 nproc=2, iters=5)
-    assert_completed(run, iters=5)
+    assert_completed(run, 5)
     assert "global batch 6, local batch 3" in run.stdout
     assert "5 iterations, 5 per epoch" in run.stdout  # 16 samples per rank // 3
     assert "global_batch_size: 6" in run.stdout       # the logged configuration agrees
 
-
-def test_global_batch_not_divisible_by_the_ranks_is_a_one_line_error(tiny_data, tmp_path):
-    """2 ranks started the way SLURM or mpirun start them (no torchrun in between, so each
-    rank's own exit code and stderr are visible) on a tiny config with global batch 3."""
-    config = tmp_path / "odd_batch.yaml"
-    config.write_text((REPO / "config" / "ViT.yaml").read_text()
-                      + "\ntiny_bs3:\n  <<: *tiny\n  global_batch_size: 3\n")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = child_env({"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank,
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                         "DATA_DIR": tiny_data, "LOG_DIR": tmp_path / "logs"})
-        procs.append(subprocess.Popen(
-            [sys.executable, "train.py", f"--yaml_config={config}", "--config=tiny_bs3"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (code, out, err) in enumerate(results):
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert code == 2, (rank, code, out[-2000:], err[-2000:])
-        assert lines == ["error: global_batch_size 3 is not divisible by the data-parallel "
-                         "size 2"], (rank, err)

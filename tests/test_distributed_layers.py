@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_distributed
+from helpers import assert_close_rel, run_distributed
 
 from distributed.helpers import annotation_errors, compute_split_shapes, sync_shared_gradients
 from distributed.layers import (
@@ -29,13 +29,6 @@ from utils import comm
 
 RTOL = 1e-5
 DIM, HEADS, HIDDEN, BATCH = 16, 4, 32, 2
-
-
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    err = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert err <= RTOL * scale, f"{what}: max error {err:.3g} > {RTOL} * {scale:.3g}"
 
 
 def _compare(kind: str, num_tokens: int, with_split: bool) -> None:
@@ -67,11 +60,11 @@ def _compare(kind: str, num_tokens: int, with_split: bool) -> None:
     sync_shared_gradients(dist_layer)
 
     where = f"{kind} tp={comm.get_size('tp')} cp={comm.get_size('cp')} N={num_tokens}"
-    assert_rel_close(out_local, mine(out.detach()), f"{where} output")
-    assert_rel_close(x_local.grad, mine(x.grad), f"{where} input grad")
+    assert_close_rel(out_local, mine(out.detach()), f"{where} output", RTOL)
+    assert_close_rel(x_local.grad, mine(x.grad), f"{where} input grad", RTOL)
     grads = gather_full_grads(dist_layer)
     for name, p in serial.named_parameters():
-        assert_rel_close(grads[name], p.grad, f"{where} grad of {name}")
+        assert_close_rel(grads[name], p.grad, f"{where} grad of {name}", RTOL)
 
 
 def _run(tp: int, cp: int) -> None:
@@ -82,6 +75,7 @@ def _run(tp: int, cp: int) -> None:
     _compare("attn", 7, with_split=False)  # lengths exchanged instead of known
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp,cp", [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_layers_match_serial(tp: int, cp: int) -> None:
     run_distributed(_run, tp * cp, tp, cp)
@@ -98,5 +92,6 @@ def _shard_shapes() -> None:
     assert attn.num_heads == 1 and attn.qkv.weight.shape == (3 * DIM // 4, DIM)
 
 
+@pytest.mark.distributed
 def test_shards_are_local_sizes() -> None:
     run_distributed(_shard_shapes, 4)

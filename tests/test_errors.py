@@ -1,6 +1,7 @@
 """Bad input ends a train script with exit code 2 and one line, `error: <what and where>`,
 never a traceback: config, flags, data, layout, checkpoint, output directory, and a
-training loss that turns NaN/inf (which also must not reach a checkpoint).
+training loss that turns NaN/inf (which also must not reach a checkpoint): from non-finite
+data (the line names the file, sample and channel) or from a diverging model (the lr).
 
 Every case is a real subprocess; they run a few at a time (module fixture) since most of
 each one is Python start-up.
@@ -18,9 +19,12 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_FILE, REPO, TrainRun, free_port, run_script
+from bad_data import copy_data, damage_chunk, flip_tensor_byte, rewrite, set_value
+from helpers import CONFIG_FILE, REPO, TrainRun, assert_one_error_line, free_port, run_script
 
 from utils.run.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.e2e
 
 TIMEOUT = 180
 
@@ -58,8 +62,8 @@ def case(fn: Callable[[Path, Path], Case]) -> Callable[[Path, Path], Case]:
 
 
 @case
-def _unknown_config(d, tiny_data):
-    return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny"],
+def _unknown_config(d, tiny_data):  # the error lists the valid names
+    return Case(["unknown config 'no_such_config'", "config/ViT.yaml", "tiny", "cpu_short"],
                 ["--config=no_such_config"])
 
 @case
@@ -71,6 +75,11 @@ def _malformed_yaml(d, tiny_data):
 @case
 def _unknown_flag_value(d, tiny_data):  # argparse: a usage line, then one error line
     return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
+
+@case
+def _bad_flag_value(d, tiny_data):  # checked by the config schema, before any data is read
+    return Case(["error: bad value --checkpoint_keep 0: expected int > 0"],
+                ["--config=tiny", "--checkpoint_keep", "0"], data_dir=d / "no_data")
 
 @case
 def _missing_data_directory(d, tiny_data):
@@ -137,11 +146,78 @@ def _corrupt_checkpoint(d, tiny_data):
     return Case([str(bad), "unreadable"], ["--config=tiny", f"--resume={bad}"])
 
 @case
-def _nan_loss(d, tiny_data):
+def _nan_loss(d, tiny_data):  # finite data, a diverging model: the lr advice
     cfg = _yaml(d, "nan_lr:\n  <<: *tiny\n  lr: 1.0e+30\n")
-    return Case(["training loss is NaN/inf at iteration", "ckpt_00000001.pt", "is kept"],
+    return Case(["training loss is NaN/inf at iteration", "ckpt_00000001.pt", "is kept",
+                 "data are finite", "lower the lr"],
                 ["--config=nan_lr", f"--yaml_config={cfg}", "--checkpoint_interval=1"],
                 log_dir=d / "logs")
+
+# Bad data. The tiny run reads rows 0-9 of 2017.h5 in every epoch (limit_nsamples 32).
+
+@case
+def _nan_in_a_training_sample(d, tiny_data):  # the file, sample and channel; no lr advice
+    data = copy_data(tiny_data, d / "data")
+    set_value(data / "train" / "2017.h5", row=5, channel=3, value=np.nan)
+    return Case([f"{data / 'train' / '2017.h5'}: sample 5", "channel 3 (sp)", "1 NaN value",
+                 "training loss is NaN/inf at iteration", "fix or replace that sample"],
+                data_dir=data)
+
+@case
+def _inf_in_a_training_sample(d, tiny_data):
+    data = copy_data(tiny_data, d / "data")
+    set_value(data / "train" / "2017.h5", row=8, channel=7, value=np.inf)
+    return Case([f"{data / 'train' / '2017.h5'}: sample 8", "channel 7 (v1000)", "1 inf value"],
+                data_dir=data)
+
+@case
+def _zero_std_in_the_stats(d, tiny_data):
+    data = copy_data(tiny_data, d / "data")
+    stds = np.load(data / "stats" / "global_stds.npy")
+    stds[0, 3] = 0.0
+    np.save(data / "stats" / "global_stds.npy", stds)
+    return Case([str(data / "stats" / "global_stds.npy"), "channel 3 (sp) is 0", "> 0"],
+                data_dir=data)
+
+@case
+def _nan_mean_in_the_stats(d, tiny_data):
+    data = copy_data(tiny_data, d / "data")
+    means = np.load(data / "stats" / "global_means.npy")
+    means[0, 5] = np.nan
+    np.save(data / "stats" / "global_means.npy", means)
+    return Case([str(data / "stats" / "global_means.npy"), "channel 5 (t850)", "NaN"],
+                data_dir=data)
+
+@case
+def _damaged_compressed_chunk(d, tiny_data):  # read by a DataLoader worker process
+    data = copy_data(tiny_data, d / "data")
+    rewrite(data / "train" / "2017.h5", compression="gzip")
+    damage_chunk(data / "train" / "2017.h5", row=5)
+    return Case([f"{data / 'train' / '2017.h5'}: cannot read sample 5", "damaged"],
+                ["--config=tiny", "--num_data_workers=1"], data_dir=data)
+
+@case
+def _damaged_compressed_chunk_read_by_dali(d, tiny_data):  # a DALI worker process
+    data = copy_data(tiny_data, d / "data")
+    rewrite(data / "train" / "2017.h5", compression="gzip")
+    damage_chunk(data / "train" / "2017.h5", row=5)
+    return Case([f"{data / 'train' / '2017.h5'}: cannot read sample 5", "damaged"],
+                ["--config=tiny", "--data_loader_config=dali", "--num_data_workers=2"],
+                data_dir=data)
+
+@case
+def _fields_of_a_non_numeric_type(d, tiny_data):
+    data = copy_data(tiny_data, d / "data")
+    rewrite(data / "train" / "2016.h5", dtype="c8")
+    return Case([str(data / "train" / "2016.h5"), "type complex64", "expected float32"],
+                data_dir=data)
+
+@case
+def _checkpoint_with_a_flipped_byte(d, tiny_data):  # torch.load would read it silently
+    bad = d / "ckpt_00000004.pt"
+    torch.save({"model": {"w": torch.ones(1000)}}, bad)
+    flip_tensor_byte(bad)
+    return Case([str(bad), "fails its CRC check"], ["--config=tiny", f"--resume={bad}"])
 
 
 def _cases(tmp: Path, tiny_data: Path) -> dict[str, Case]:
@@ -167,7 +243,7 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun | list[TrainRun]]:
     # Global batch 3 over 2 data-parallel ranks: two processes joined by the environment
     # variables a launcher sets (srun / export_DDP_vars.sh), each must say it in one line.
     cfg = _yaml(tmp, "odd_batch:\n  <<: *tiny\n  global_batch_size: 3\n")
-    dp = Case(["global_batch_size 3", "data-parallel size 2"],
+    dp = Case(["error: global_batch_size 3 is not divisible by the data-parallel size 2"],
               ["--config=odd_batch", f"--yaml_config={cfg}"])
     port = str(free_port())
     with ThreadPoolExecutor(4) as pool:
@@ -182,30 +258,33 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun | list[TrainRun]]:
     return results
 
 
-def assert_one_error_line(run: TrainRun, words: list[str]) -> str:
-    assert run.returncode == 2, f"exit {run.returncode}\n{run.output[-3000:]}"
-    assert "Traceback" not in run.output, run.output[-3000:]
-    errors = [line for line in run.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, run.stderr
-    for word in words:
-        assert word in errors[0], (word, errors[0])
-    return errors[0]
-
-
-NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "missing_data_directory",
+NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "bad_flag_value",
+         "missing_data_directory",
          "empty_data_directory", "wrong_hdf5_layout", "stats_shape_mismatch",
          "img_size_not_a_multiple_of_patch", "batch_not_divisible_by_dp",
          "heads_not_divisible_by_tp", "world_not_divisible_by_tp_cp", "dali_unavailable",
-         "output_directory_not_writable", "corrupt_checkpoint", "nan_loss"]
+         "output_directory_not_writable", "corrupt_checkpoint", "nan_loss",
+         "nan_in_a_training_sample", "inf_in_a_training_sample", "zero_std_in_the_stats",
+         "nan_mean_in_the_stats", "damaged_compressed_chunk",
+         "damaged_compressed_chunk_read_by_dali", "fields_of_a_non_numeric_type",
+         "checkpoint_with_a_flipped_byte"]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_input_is_one_error_line_and_exit_code_2(runs, name):
     case = runs["_cases"][name]
-    for run in runs[name] if isinstance(runs[name], list) else [runs[name]]:
-        line = assert_one_error_line(run, case.words)
-        if name != "unknown_flag_value":  # argparse words its own line (prog: error: ...)
-            assert line.startswith("error: "), line
+    if isinstance(runs[name], list):  # the ranks of one job: rank 0 alone says it
+        rank0, *others = runs[name]
+        for run in others:
+            assert run.returncode == 2, run.output[-3000:]
+            assert "error:" not in run.output and "Traceback" not in run.output, run.output
+        runs = {name: rank0}
+    line = assert_one_error_line(runs[name], case.words)
+    if name != "unknown_flag_value":  # argparse words its own line (prog: error: ...)
+        assert line.startswith("error: "), line
+        # ... and that line is all a user sees on stderr: no warning, no log record
+        lines = [out for out in runs[name].stderr.splitlines() if out.strip()]
+        assert lines == [line], runs[name].stderr
 
 
 def test_a_nan_loss_keeps_the_last_good_checkpoint(runs):

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 def lint_imports(cwd: Path) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO
+from helpers import REPO, one_line
 
 from utils.launch_env import LaunchEnv, LaunchError, resolve_launch_env
 
@@ -15,9 +15,7 @@ from utils.launch_env import LaunchEnv, LaunchError, resolve_launch_env
 def one_line_error(env: dict[str, str]) -> str:
     with pytest.raises(LaunchError) as e:
         resolve_launch_env(env)
-    msg = str(e.value)
-    assert msg and "\n" not in msg, msg
-    return msg
+    return one_line(e)
 
 
 def test_torchrun_style_environment():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from helpers import run_distributed
 
 from distributed import mappings as m
 from distributed.helpers import compute_split_shapes, split_tensor_along_dim
@@ -104,14 +104,17 @@ def _check_all(layouts: list[tuple[int, int, str]]) -> None:
     dist.barrier()
 
 
+@pytest.mark.distributed
 def test_mappings_on_2_processes() -> None:
     run_distributed(_check_all, 2, [(2, 1, "tp"), (1, 2, "cp"), (2, 1, "tp-cp")])
 
 
+@pytest.mark.distributed
 def test_mappings_on_3_processes() -> None:
     run_distributed(_check_all, 3, [(3, 1, "tp"), (1, 3, "cp")])
 
 
+@pytest.mark.distributed
 def test_mappings_on_4_processes_and_subgroups() -> None:
     # (2, 2): the tp and cp groups are proper subgroups; (1, 4): 5 tokens over 4 ranks
     run_distributed(_check_all, 4, [(2, 2, "tp"), (2, 2, "cp"), (2, 2, "tp-cp"), (1, 4, "cp")])

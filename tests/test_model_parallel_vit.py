@@ -21,16 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from helpers import assert_trains_like_serial, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.helpers import annotation_errors, sync_shared_gradients
 from distributed.layers import (
     DistributedLayers,
-    gather_full_grads,
     gather_full_state_dict,
     load_serial_state_dict,
 )
@@ -40,12 +38,6 @@ from utils import comm
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 TINY = dict(patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4)
 IMAGES = [(16, 32), (12, 28)]  # 32 tokens, and 21 tokens (uneven over cp = 2: 11 + 10)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 0.0) -> None:
-    err = (actual - expected).abs().max().item()
-    bound = RTOL * expected.abs().max().item() + atol
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def _batch(step: int, img: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,42 +55,13 @@ def _compare(img: tuple[int, int]) -> None:
         assert torch.equal(value, serial.state_dict()[name]), name
     if comm.get_size("dp") > 1:
         model = DistributedDataParallel(model, process_group=comm.get_group("dp"))
-    opt_serial = torch.optim.Adam(serial.parameters(), lr=LR)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
     dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")
     local = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     layout = f"tp={comm.get_size('tp')} cp={comm.get_size('cp')} dp={dp} img={img}"
-
-    for step in range(STEPS):
-        x, y = _batch(step, img)
-        loss_serial = F.mse_loss(serial(x), y)
-        loss_serial.backward()
-        loss = F.mse_loss(model(x[local]), y[local])
-        loss.backward()
-        sync_shared_gradients(model)
-        if step == 0:
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
-            _close(mean_loss / dp, loss_serial.detach(), f"{layout} loss")
-            grads = gather_full_grads(model)
-            for name, p in serial.named_parameters():
-                _close(grads[name], p.grad, f"{layout} grad of {name}")
-        opt_serial.step(), opt.step()
-        opt_serial.zero_grad(), opt.zero_grad()
-
-    full = gather_full_state_dict(model)
-    for name, p in serial.named_parameters():
-        _close(full[name], p.detach(), f"{layout} {name} after {STEPS} Adam steps", ATOL_ADAM)
-    _check_replicas_identical(model)
-
-
-def _check_replicas_identical(model: nn.Module) -> None:
-    """Replicated parameters must stay bitwise identical on every rank that shares them."""
-    for name, p in model.named_parameters():
-        for group_name in p.is_shared_mp:
-            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
-            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
+    assert_trains_like_serial(
+        serial, model, [_batch(step, img) for step in range(STEPS)],
+        lambda m, x, y: F.mse_loss(m(x), y), lambda m, x, y: F.mse_loss(m(x[local]), y[local]),
+        layout, LR, RTOL, ATOL_ADAM)
 
 
 def _run(tp: int, cp: int) -> None:
@@ -107,6 +70,7 @@ def _run(tp: int, cp: int) -> None:
         _compare(img)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp,cp,world", [(2, 1, 2), (1, 2, 2), (2, 2, 4), (2, 1, 4), (1, 2, 4)],
                          ids=["tp2", "cp2", "tp2xcp2", "dp2xtp2", "dp2xcp2"])
 def test_matches_serial(tp: int, cp: int, world: int) -> None:
@@ -135,6 +99,7 @@ def _annotations() -> None:
         sync_shared_gradients(model)
 
 
+@pytest.mark.distributed
 def test_every_parameter_is_sharded_or_shared() -> None:
     run_distributed(_annotations, 4)
 
@@ -156,6 +121,7 @@ def _init_matches_serial() -> None:
         assert torch.equal(full[name], tensor), f"{name} initialised differently"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2), (2, 2)])
 def test_initialisation_is_the_serial_one_on_any_layout(tp: int, cp: int) -> None:
     """train_mp.py with any tp/cp starts from exactly train.py's weights (same seed)."""

@@ -11,19 +11,27 @@ the reason in the summary, and MPI_TESTS_REQUIRED=1 turns the skip into a failur
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import warnings
 
 import pytest
-from conftest import REPO, TrainRun, child_env, free_port, run_script
+from helpers import (
+    REPO,
+    TINY_ITERS,
+    TrainRun,
+    assert_completed,
+    assert_same_training,
+    child_env,
+    free_port,
+    one_line,
+    skip_visibly,
+)
 from mpi_launcher import MPIUnavailable, find_mpirun, mpirun_command, mpirun_env
-from test_ddp import ITERS, assert_completed, assert_same_training
 
 from utils.errors import LaunchError
 from utils.launch_env import LaunchEnv, resolve_launch_env
 
+ITERS = TINY_ITERS
 TIMEOUT = 300  # seconds for one 2-rank tiny run on a busy 2-core machine (~30 s measured)
 
 
@@ -43,8 +51,8 @@ def test_every_rank_of_a_multi_node_mpirun_stops_without_master_addr(rank, local
            "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     with pytest.raises(LaunchError) as e:
         resolve_launch_env(env)
-    msg = str(e.value)
-    assert "\n" not in msg and "MASTER_ADDR" in msg and "mpirun -x MASTER_ADDR=" in msg
+    msg = one_line(e)
+    assert "MASTER_ADDR" in msg and "mpirun -x MASTER_ADDR=" in msg
     got = resolve_launch_env({**env, "MASTER_ADDR": "nid001", "MASTER_PORT": "29601"})
     assert got == LaunchEnv(rank, 4, local, "nid001", 29601, "mpi")
 
@@ -56,20 +64,7 @@ def mpirun() -> str:
     try:
         return find_mpirun()
     except MPIUnavailable as e:
-        reason = f"no Open MPI mpirun on this machine: {e}"
-        if os.environ.get("MPI_TESTS_REQUIRED"):
-            pytest.fail(reason + " (MPI_TESTS_REQUIRED is set)")
-        print(f"\nSKIPPED mpirun tests: {reason}", file=sys.stderr)
-        warnings.warn(reason, stacklevel=2)
-        pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def single(tiny_data, tmp_path_factory):
-    """The reference: train.py on one process, global batch 4."""
-    return run_script("train.py", ["--config=tiny", f"--num_iters={ITERS}"],
-                      data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("single"),
-                      timeout=TIMEOUT)
+        skip_visibly("mpirun", f"no Open MPI mpirun on this machine: {e}", "MPI_TESTS_REQUIRED")
 
 
 def run_mpirun(mpirun: str, nproc: int, tiny_data, log_dir, *flags: str) -> TrainRun:
@@ -87,10 +82,9 @@ def run_mpirun(mpirun: str, nproc: int, tiny_data, log_dir, *flags: str) -> Trai
 
 
 @pytest.mark.e2e
-@pytest.mark.distributed
-def test_mpirun_two_ranks_train_like_one_process(mpirun, single, tiny_data, tmp_path):
+def test_mpirun_two_ranks_train_like_one_process(mpirun, serial_reference, tiny_data, tmp_path):
+    """Against conftest's `serial_reference`: train.py on one process, global batch 4."""
     run = run_mpirun(mpirun, 2, tiny_data, tmp_path)
-    assert_completed(single)
-    assert_completed(run)
+    assert_completed(run, ITERS)
     assert "world size 2 (mpi launcher), global batch 4, local batch 2" in run.stdout
-    assert_same_training(run, single, world_size=2)
+    assert_same_training(run, serial_reference, world_size=2)

@@ -11,7 +11,8 @@
   - a rank that dies (SIGKILL) ends the whole torchrun job within seconds, and torchrun's
     summary names it.
 
-The uninterrupted runs are test_resume.py's references (one per pytest session).
+The uninterrupted runs are conftest's `reference_run`s (one per pytest session), which
+test_resume.py and the parallel tests compare with too.
 """
 
 from __future__ import annotations
@@ -30,23 +31,25 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, child_env, free_port, run_script
-from dist_utils import run_distributed
-from test_resume import (
-    ITERS,
-    TIMEOUT,
-    assert_finished,
+from helpers import (
+    REPO,
+    TINY_ITERS,
+    assert_completed,
     assert_same_state,
+    child_env,
     epoch_losses,
-    exp_dir,
     final_checkpoint,
-    reference_run,
+    free_port,
+    run_distributed,
+    run_script,
 )
 
 from utils.errors import EXIT_PREEMPTED
 from utils.run.checkpoint import list_checkpoints
 from utils.run.preemption import StopSignal
 
+ITERS = TINY_ITERS
+TIMEOUT = 240  # seconds per run
 STARTED = "Starting training loop"
 # The interrupted runs: the reference's settings, without periodic checkpoints (so the only
 # checkpoint is the one the signal makes) and without --resume.
@@ -144,10 +147,10 @@ def _in_background(fn, *args, **kwargs) -> Future:
 
 # ----------------------------------------------------------------- one process, SIGUSR1
 
-def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(tiny_data,
-                                                                      tmp_path_factory,
+@pytest.mark.e2e
+def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(reference_run, tiny_data,
                                                                       tmp_path):
-    reference = _in_background(reference_run, tiny_data, tmp_path_factory, "train.py")
+    reference = _in_background(reference_run, "train.py")
     bin_dir, record = fake_scontrol(tmp_path)
     slurm = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     log_dir = tmp_path / "logs"
@@ -170,25 +173,25 @@ def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(tiny_data,
     # What SLURM reruns: the same command line, now with SLURM_RESTART_COUNT=1.
     restart = run_script("train.py", args, data_dir=tiny_data, log_dir=log_dir,
                          env_extra={**slurm, "SLURM_RESTART_COUNT": "1"}, timeout=TIMEOUT)
-    assert_finished(restart)
+    assert_completed(restart, ITERS)
     assert "SLURM restart 1 of a --requeue job: resuming" in restart.stdout
     assert re.search(rf"Resumed from \S+ckpt_{k:08d}\.pt: {resume_line(k)}", restart.stdout), \
         restart.stdout[-3000:]
     reference = reference.result()
-    assert_same_state(final_checkpoint(exp), final_checkpoint(exp_dir(reference)))
+    assert_same_state(final_checkpoint(exp), final_checkpoint(reference.exp_dir()))
     assert epoch_losses(restart.stdout) == epoch_losses(reference.stdout)
     assert record.read_text().split() == ["requeue", "4242"]  # no second requeue
 
 
 # ----------------------------------------------------------------- torchrun, SIGTERM
 
-def test_torchrun_forwards_sigterm_and_both_ranks_save_then_resume_exactly(tiny_data,
-                                                                           tmp_path_factory,
+@pytest.mark.e2e
+def test_torchrun_forwards_sigterm_and_both_ranks_save_then_resume_exactly(reference_run,
+                                                                           tiny_data,
                                                                            tmp_path):
     """torchrun's agent forwards SIGTERM to its workers and waits up to 30 s
     (--shutdown_timeout) before SIGKILL: enough for them to checkpoint."""
-    reference = _in_background(reference_run, tiny_data, tmp_path_factory, "train.py",
-                               nproc=2)
+    reference = _in_background(reference_run, "train.py", nproc=2)
     log_dir = tmp_path / "logs"
     run = LiveRun("train.py", SIGNALLED_ARGS, data_dir=tiny_data, log_dir=log_dir, nproc=2)
     run.wait_for(STARTED)
@@ -205,10 +208,10 @@ def test_torchrun_forwards_sigterm_and_both_ranks_save_then_resume_exactly(tiny_
 
     resumed = run_script("train.py", [*SIGNALLED_ARGS, "--resume"], data_dir=tiny_data,
                          log_dir=log_dir, nproc=2, timeout=TIMEOUT)
-    assert_finished(resumed)
+    assert_completed(resumed, ITERS)
     assert resume_line(k) in resumed.stdout, resumed.stdout[-3000:]
     reference = reference.result()
-    assert_same_state(final_checkpoint(exp), final_checkpoint(exp_dir(reference, 2)))
+    assert_same_state(final_checkpoint(exp), final_checkpoint(reference.exp_dir("tiny", 2)))
     assert epoch_losses(resumed.stdout) == epoch_losses(reference.stdout)
 
 
@@ -225,6 +228,7 @@ def _one_rank_signalled() -> tuple[bool, bool]:
     return before, stop.should_stop(torch.device("cpu"))
 
 
+@pytest.mark.distributed
 def test_a_signal_to_one_rank_stops_every_rank():
     assert run_distributed(_one_rank_signalled, 2) == [(False, True), (False, True)]
 
@@ -243,6 +247,7 @@ def _worker_with_rank(launcher: psutil.Process, rank: int, timeout: float = 60
     pytest.fail(f"no worker with RANK={rank} under torchrun")
 
 
+@pytest.mark.e2e
 def test_a_dead_rank_ends_the_job_quickly_and_is_named(tiny_data, tmp_path):
     """Rank 1 is SIGKILLed mid-training. Rank 0's next collective fails (gloo sees the
     closed connection; DIST_TIMEOUT_SEC bounds it otherwise), torchrun stops the group and

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 RANGES = ("forward", "backward", "optimizer", "data copy in")
 
 
@@ -21,6 +25,14 @@ def test_profiled_tiny_run_writes_a_trace_with_the_step_ranges(run_train):
         assert name in names, f"range '{name}' missing from the trace"
     assert sum(1 for n in names if n and n.startswith("step ")) == 8  # one range per step
     assert "Time per range and top operators" in run.output
+    # The summary's first table is the named ranges (not aten operators): the 8 steps as
+    # one row, then each range of the step, each called once per step.
+    table = run.output.split("Time per range and top operators in the window:\n")[1]
+    header, *rows = table.split("\n\n")[0].splitlines()
+    assert header.split()[:2] == ["Range", "Calls"], table[:2000]
+    named = {" ".join(r.split()[:-4]): int(r.split()[-4]) for r in rows}
+    assert named == {"step (whole)": 8, **{name: 8 for name in RANGES}}, rows
+    assert rows[0].startswith("step (whole)") and rows[0].rstrip().endswith("100.0%")
 
 
 def test_without_profiling_no_trace_is_written(run_train):

@@ -12,7 +12,7 @@ import re
 import shlex
 
 import pytest
-from conftest import CONFIG_FILE, REPO
+from helpers import CONFIG_FILE, REPO
 
 from utils.YParams import YParams
 
@@ -43,14 +43,17 @@ def per_gpu_load(command: str) -> tuple[float, str]:
     p = YParams(CONFIG_FILE, flags["config"])
     tp = int(flags.get("tp", flags.get("row_parallel_size", p.tp)))
     cp = int(flags.get("cp", p.cp))
+    # the AFNO's spatial mesh splits the tokens like cp does (each GPU holds its tile)
+    mesh = int(flags.get("h_parallel_size", p.h_parallel_size)) * \
+        int(flags.get("w_parallel_size", p.w_parallel_size))
     gpus = nodes * GPUS_PER_NODE
-    dp = gpus // (tp * cp)
+    dp = gpus // (tp * cp * mesh)
     local = p.global_batch_size / dp
     h, w = p.img_size
-    tokens = (h // p.patch_size) * (w // p.patch_size)
-    note = (f"{gpus} GPUs = tp {tp} x cp {cp} x dp {dp}, {local:g} samples x "
-            f"{tokens / cp:.0f} tokens per GPU, embed {p.embed_dim}")
-    return local * (tokens / cp) / tp, note
+    tokens = (h // p.patch_size) * (w // p.patch_size) / (cp * mesh)
+    note = (f"{gpus} GPUs = tp {tp} x cp {cp} x h*w {mesh} x dp {dp}, {local:g} samples x "
+            f"{tokens:.0f} tokens per GPU, embed {p.embed_dim}")
+    return local * tokens / tp, note
 
 
 def test_the_readmes_have_model_parallel_gpu_commands():

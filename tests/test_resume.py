@@ -12,75 +12,35 @@ CPU, fp32, the tiny config (16 iterations = 2 epochs of 8, a checkpoint every 4)
     max |difference| ~1e-8 after 4 steps); not bitwise, because the matmul shards, and with
     them the order of the floating-point sums, differ.
   - 2-rank DDP and the real signal path (SIGUSR1, torchrun's SIGTERM): test_preemption.py,
-    which compares against the same reference runs (`reference_run` below, one per session).
+    which compares against the same reference runs (conftest's `reference_run`, one per
+    session).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TrainRun, run_script
+from helpers import (
+    REFERENCE_ARGS,
+    TINY_ITERS,
+    TrainRun,
+    assert_completed,
+    assert_same_state,
+    epoch_losses,
+    final_checkpoint,
+    run_script,
+)
 
-from utils.run.checkpoint import latest_checkpoint
+pytestmark = pytest.mark.e2e
 
-ITERS = 16
+ITERS = TINY_ITERS
 TIMEOUT = 240  # seconds per run; ~10-20 s each on an idle 2-core machine
-# The uninterrupted reference of every single-process / DDP test. `--resume` with no
-# checkpoint yet starts from scratch (and says so), and checkpoints do not change the math.
-TINY_ARGS = ("--config=tiny", f"--num_iters={ITERS}", "--checkpoint_interval=4", "--resume")
 # rtol/atol for resumes in another tensor-parallel layout.
 LAYOUT_RTOL, LAYOUT_ATOL = 1e-5, 1e-6
-
-_references: dict[tuple, TrainRun] = {}
-
-
-def reference_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory, script: str,
-                  args: Sequence[str] = TINY_ARGS, nproc: int | None = None) -> TrainRun:
-    """An uninterrupted run; made once per pytest session and shared by the test files."""
-    key = (script, tuple(args), nproc)
-    if key not in _references:
-        run = run_script(script, args, data_dir=tiny_data, nproc=nproc, timeout=TIMEOUT,
-                         log_dir=tmp_path_factory.mktemp("reference"))
-        assert_finished(run)
-        _references[key] = run
-    return _references[key]
-
-
-# ----------------------------------------------------------------- helpers shared with
-# test_preemption.py and test_slurm_requeue.py
-
-def assert_finished(run: TrainRun, iters: int = ITERS) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.output[-4000:]}"
-    assert f"Finished {iters} iterations" in run.stdout, run.output[-4000:]
-    assert "Traceback" not in run.output, run.output[-4000:]
-
-
-def exp_dir(run: TrainRun, world_size: int = 1) -> Path:
-    return run.exp_dir("tiny", world_size)
-
-
-def final_checkpoint(directory: Path) -> dict:
-    path = latest_checkpoint(str(directory))
-    assert path, f"no checkpoint in {directory}"
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_same_state(resumed: dict, reference: dict) -> None:
-    """Bitwise: every parameter and optimizer tensor, the schedule, the loop position."""
-    for key in ("iters", "epoch", "epoch_step", "scheduler", "scaler"):
-        assert resumed[key] == reference[key], key
-    assert resumed["model"].keys() == reference["model"].keys()
-    for name, tensor in reference["model"].items():
-        assert torch.equal(resumed["model"][name], tensor), f"parameter {name} differs"
-    for name, state in reference["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(resumed["optimizer"]["state"][name][key], value), (name, key)
 
 
 def assert_close_state(resumed: dict, reference: dict) -> None:
@@ -91,16 +51,7 @@ def assert_close_state(resumed: dict, reference: dict) -> None:
                                    atol=LAYOUT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def epoch_losses(output: str) -> list[tuple[str, str, str]]:
-    """(epoch, train loss, val loss) as logged, in order."""
-    epochs = re.findall(r"Time taken for epoch (\d+) ", output)
-    train = re.findall(r"Avg train loss=(\S+)", output)
-    val = re.findall(r"Avg val loss=(\S+)", output)
-    assert len(epochs) == len(train) == len(val), output[-3000:]
-    return list(zip(epochs, train, val, strict=True))
-
-
-def scalar_events(exp: Path) -> dict[str, list[tuple[int, float]]]:
+def scalar_events(exp) -> dict[str, list[tuple[int, float]]]:
     """TensorBoard scalars of a run directory, as EventAccumulator (TensorBoard) reads them:
     events of an earlier run at or after a resumed run's purge_step are dropped."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -113,40 +64,35 @@ def scalar_events(exp: Path) -> dict[str, list[tuple[int, float]]]:
 
 # ----------------------------------------------------------------- train.py, one process
 
-@pytest.fixture(scope="module")
-def single_reference(tiny_data, tmp_path_factory) -> TrainRun:
-    return reference_run(tiny_data, tmp_path_factory, "train.py")
-
-
-def test_resume_without_a_checkpoint_starts_from_scratch(single_reference):
+def test_resume_without_a_checkpoint_starts_from_scratch(serial_reference):
     assert re.search(r"--resume: no checkpoint in \S+, starting from scratch",
-                     single_reference.stdout)
-    assert "Initial val loss=" in single_reference.stdout
+                     serial_reference.stdout)
+    assert "Initial val loss=" in serial_reference.stdout
 
 
 def test_resume_at_an_epoch_end_is_exact_and_tensorboard_stays_one_curve(
-        single_reference, tiny_data, tmp_path):
+        serial_reference, tiny_data, tmp_path):
     """Resume from iteration 8 (epoch 1's batches done, its validation not yet) inside a copy
     of the finished run's directory, which already holds TensorBoard events up to step 16."""
-    ref_dir = exp_dir(single_reference)
+    ref_dir = serial_reference.exp_dir()
     copy = tmp_path / "logs"
     shutil.copytree(ref_dir, copy / "tiny" / "1CPU" / "00")
     ckpt8 = copy / "tiny" / "1CPU" / "00" / "checkpoints" / "ckpt_00000008.pt"
-    run = run_script("train.py", [*TINY_ARGS[:-1], f"--resume={ckpt8}"], data_dir=tiny_data,
+    run = run_script("train.py", [*REFERENCE_ARGS[:-1], f"--resume={ckpt8}"], data_dir=tiny_data,
                      log_dir=copy, timeout=TIMEOUT)
-    assert_finished(run)
+    assert_completed(run, ITERS)
     assert f"Resumed from {ckpt8}: iteration 8, epoch 1, 8 batches into it" in run.stdout
     assert "Initial val loss" not in run.stdout
     # The copied checkpoints after 8 belong to the abandoned timeline: set aside, not used.
     (aside,) = ckpt8.parent.glob("superseded-*")
     assert sorted(p.name for p in aside.iterdir()) == ["ckpt_00000012.pt", "ckpt_00000016.pt"]
 
-    assert_same_state(final_checkpoint(exp_dir(run)), final_checkpoint(ref_dir))
+    assert_same_state(final_checkpoint(run.exp_dir()), final_checkpoint(ref_dir))
     # The resumed run logs epoch 1's end (from the restored loss sum) and epoch 2: the same
     # numbers as the uninterrupted run.
-    assert epoch_losses(run.stdout) == epoch_losses(single_reference.stdout)
+    assert epoch_losses(run.stdout) == epoch_losses(serial_reference.stdout)
 
-    resumed, reference = scalar_events(exp_dir(run)), scalar_events(ref_dir)
+    resumed, reference = scalar_events(run.exp_dir()), scalar_events(ref_dir)
     for tag in ("Loss/train", "Loss/valid", "Learning Rate", "RMSE(u10m)/valid"):
         steps = [step for step, _ in resumed[tag]]
         assert steps == sorted(set(steps)), f"{tag}: repeated steps {steps}"
@@ -160,13 +106,12 @@ MP_ARGS = ("--config=tiny", f"--num_iters={ITERS}", "--checkpoint_interval=4")
 
 
 @pytest.fixture(scope="module")
-def mp_runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun]:
+def mp_runs(reference_run, tiny_data, tmp_path_factory) -> dict[str, TrainRun]:
     """The uninterrupted tp=2 run, then three resumes from its iteration-12 checkpoint, run
     side by side: tp=2 from a copy in a fresh run directory (`--resume`, auto), tp=1 and
     tp=4 from the file itself (their run directories differ: <world size>CPU)."""
-    ref = reference_run(tiny_data, tmp_path_factory, "train_mp.py", [*MP_ARGS, "--tp=2"],
-                        nproc=2)
-    ckpt12 = exp_dir(ref, 2) / "checkpoints" / "ckpt_00000012.pt"
+    ref = reference_run("train_mp.py", [*MP_ARGS, "--tp=2"], nproc=2)
+    ckpt12 = ref.exp_dir("tiny", 2) / "checkpoints" / "ckpt_00000012.pt"
     assert ckpt12.is_file(), sorted(p.name for p in ckpt12.parent.iterdir())
     fresh = tmp_path_factory.mktemp("tp2_resume")
     (fresh / "tiny" / "2CPU" / "00" / "checkpoints").mkdir(parents=True)
@@ -188,7 +133,7 @@ def mp_runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun]:
 
 
 def _resumed_from_12(run: TrainRun) -> None:
-    assert_finished(run)
+    assert_completed(run, ITERS)
     assert re.search(r"Resumed from \S+ckpt_00000012\.pt: iteration 12, epoch 2, "
                      r"4 batches into it", run.stdout), run.stdout[-3000:]
 
@@ -197,7 +142,8 @@ def test_tensor_parallel_resume_in_the_same_layout_is_exact(mp_runs):
     run, ref = mp_runs["tp2"], mp_runs["reference"]
     _resumed_from_12(run)
     assert "Layout: DP = 1, TP = 2" in run.stdout
-    assert_same_state(final_checkpoint(exp_dir(run, 2)), final_checkpoint(exp_dir(ref, 2)))
+    assert_same_state(final_checkpoint(run.exp_dir("tiny", 2)),
+                      final_checkpoint(ref.exp_dir("tiny", 2)))
     assert epoch_losses(run.stdout) == epoch_losses(ref.stdout)[1:]  # epoch 2
 
 
@@ -206,7 +152,8 @@ def test_a_tensor_parallel_checkpoint_resumes_in_another_layout(mp_runs, tp, wor
     run, ref = mp_runs[f"tp{tp}"], mp_runs["reference"]
     _resumed_from_12(run)
     assert f"Layout: DP = 1, TP = {tp}" in run.stdout
-    assert_close_state(final_checkpoint(exp_dir(run, world)), final_checkpoint(exp_dir(ref, 2)))
+    assert_close_state(final_checkpoint(run.exp_dir("tiny", world)),
+                       final_checkpoint(ref.exp_dir("tiny", 2)))
     # The epoch-2 average includes the 4 losses before the checkpoint (saved by tp 2).
     (epoch, train, val), = epoch_losses(run.stdout)
     (ref_epoch, ref_train, ref_val), = epoch_losses(ref.stdout)[1:]

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 BASH = shutil.which("bash") or "/bin/bash"
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 NSYS_BASE = ["nsys", "profile", "-f", "true"]

@@ -23,10 +23,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import slurm_job_output, start_slurm_cluster
+from helpers import REPO, slurm_job_output, start_slurm_cluster
 from slurm_cluster import SlurmCluster
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
 JOB_TIMEOUT = 240  # seconds for one tiny training job on a 2-core machine (~15-35 s measured)
 BASH = shutil.which("bash") or "/bin/bash"
@@ -172,16 +171,6 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("slurm-jobs")
 
 
-@pytest.fixture(scope="module")
-def dataset(workdir):
-    out = workdir / "data"
-    r = subprocess.run([sys.executable, "-m", "utils.synthetic_data", "--out", str(out),
-                        "--img_size", "16", "32", "--samples_per_year", "32"],
-                       cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out
-
-
 def _job_env(cluster: SlurmCluster, workdir: Path, rendezvous: bool = True,
              **extra: str) -> dict[str, str | None]:
     """What a user on a generic cluster exports before sbatch: the generic preset, this
@@ -206,11 +195,11 @@ PREEMPT_ITERS = 40  # 5 epochs: the signal lands long before the end, even on a 
 
 
 @pytest.fixture(scope="module")
-def training_jobs(cluster, dataset, workdir):
+def training_jobs(cluster, tiny_data, workdir):
     """All training jobs, submitted together so that they overlap (6 of the node's 8 slots):
     the tests then only wait for them."""
     def env(name: str) -> dict[str, str | None]:  # one log directory per job
-        return _job_env(cluster, workdir, DATA_DIR=str(dataset),
+        return _job_env(cluster, workdir, DATA_DIR=str(tiny_data),
                         LOG_DIR=str(workdir / "logs" / name))
 
     two_tasks = ["-N", "1", "--ntasks-per-node=2", _out_opt(workdir)]
@@ -233,6 +222,8 @@ def training_jobs(cluster, dataset, workdir):
     }
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_preemption_requeue_resume(cluster, training_jobs):
     """The tutorial's preemption path under real SLURM: USR1 to the tasks -> train.py saves
     a checkpoint and requeues its own job -> the rerun (same arguments) resumes there.
@@ -253,6 +244,8 @@ def test_preemption_requeue_resume(cluster, training_jobs):
     assert f"Finished {PREEMPT_ITERS} iterations" in out
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_single_process_job(cluster, training_jobs):
     out = slurm_job_output(cluster, training_jobs["single"], JOB_TIMEOUT)
     assert "site=generic" in out
@@ -262,6 +255,8 @@ def test_single_process_job(cluster, training_jobs):
     assert "Avg train loss=" in out
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_data_parallel_job(cluster, training_jobs):
     out = slurm_job_output(cluster, training_jobs["dp"], JOB_TIMEOUT)
     tasks = re.findall(r"task RANK=(\d) LOCAL_RANK=(\d) WORLD_SIZE=2 MASTER_ADDR=(\S+) "
@@ -273,6 +268,8 @@ def test_data_parallel_job(cluster, training_jobs):
     assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_model_parallel_job(cluster, training_jobs):
     """submit_pm_mp.sh runs train_mp.py: 2 tasks = tensor parallel 2 x data parallel 1."""
     out = slurm_job_output(cluster, training_jobs["mp"], JOB_TIMEOUT)
@@ -282,6 +279,8 @@ def test_model_parallel_job(cluster, training_jobs):
     assert re.search(r"Time taken for epoch \d+ is [\d.]+ sec", out), out[-3000:]
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_export_ddp_vars_with_scontrol(cluster):
     """The `scontrol show hostnames` path (a configured SLURM client on PATH)."""
     env = dict(cluster.env, SLURM_PROCID="0", SLURM_NTASKS="4",
@@ -291,6 +290,8 @@ def test_export_ddp_vars_with_scontrol(cluster):
     assert _vars(_bash(DDP_PRINT, env).stdout)["MASTER_ADDR"] == "gpu010"
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_preset_options_reach_sbatch(cluster):
     """A preset's SBATCH_* variables are real sbatch inputs: the Perlmutter preset's GPU
     options are rejected by this GPU-less cluster, the generic preset's job is accepted."""
@@ -316,6 +317,8 @@ print("PROBE " + json.dumps({"argv": sys.argv[1:], **{k: os.environ.get(k) for k
 """
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_two_node_model_parallel_layout(workdir):
     """submit_pm_mp.sh on two nodes x 2 tasks with TRAIN_SCRIPT = a probe: ranks, local ranks,
     one rendezvous, arguments passed through verbatim, the profiling fallback."""
@@ -358,6 +361,8 @@ exit 3
 """
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_harness_signal_and_requeue(cluster, workdir):
     """cluster.signal reaches the batch shell; cluster.requeue reruns the job
     (SLURM_RESTART_COUNT=1), the output of both runs kept with --open-mode=append."""

@@ -17,11 +17,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import slurm_job_output, start_slurm_cluster
+from helpers import (
+    REPO,
+    assert_same_state,
+    final_checkpoint,
+    slurm_job_output,
+    start_slurm_cluster,
+)
 from slurm_cluster import SlurmCluster
-from test_resume import assert_same_state, final_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
 ITERS = 96  # 12 epochs: the job is still training when the signal arrives
 JOB_TIMEOUT = 300  # seconds per job on a loaded 2-core machine (~30 s idle)
 # Variables of an outer launcher or site that must not leak into the jobs.

@@ -1,6 +1,7 @@
 """Tiles of a field over the h x w mesh (distributed.spatial) and the loss and skill scores
-computed from tiles (distributed.spatial_metrics) against the serial ones on the whole
-field: the L2 loss and its gradient, latitude-weighted RMSE and ACC.
+computed from tiles (distributed.spatial_metrics' loss, utils.evaluation's scores given a
+Tile) against the serial ones on the whole field: the L2 loss and its gradient, the
+validation loss, latitude-weighted RMSE and ACC, and the whole field put back together.
 
 Tolerance: max |err| <= 1e-5 x max |serial|: the tiles' sums add the same terms in another
 order (fp32 round-off ~1e-7 relative).
@@ -10,22 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from helpers import assert_close_rel, run_distributed
 
 from distributed.spatial import gather_image, scatter_image, tile_bounds
-from distributed.spatial_metrics import l2_loss, weighted_acc_channels, weighted_rmse_channels
+from distributed.spatial_metrics import l2_loss
 from utils import comm
 from utils.evaluation import l2_loss as serial_l2_loss
-from utils.evaluation import weighted_acc_channels as serial_acc
-from utils.evaluation import weighted_rmse_channels as serial_rmse
+from utils.evaluation import relative_l2, weighted_acc_channels, weighted_rmse_channels, whole_field
+from utils.tile import Tile
 
+RTOL = 1e-5  # of the serial value's largest entry
 GRID, PATCH = (7, 9), 4  # 28 x 36 pixels; uneven over 2 and 3 ranks
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, what
-    err = (actual - expected).abs().max().item()
-    assert err <= 1e-5 * expected.abs().max().item(), f"{what}: max error {err:.3g}"
 
 
 def _fields() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,14 +46,17 @@ def _run(h: int, w: int) -> None:
     pred_tile = tile(pred).requires_grad_()
     loss = l2_loss(pred_tile, tile(target))
     loss.backward()
-    _close(loss.detach(), serial_l2_loss(pred, target), f"{where} l2 loss")
-    _close(pred_tile.grad, tile(pred_full.grad), f"{where} l2 loss gradient")
+    assert_close_rel(loss.detach(), serial_l2_loss(pred, target), f"{where} l2 loss", RTOL)
+    assert_close_rel(pred_tile.grad, tile(pred_full.grad), f"{where} l2 loss gradient", RTOL)
 
-    num_lat, pixels = pred.shape[-2], pred.shape[-2] * pred.shape[-1]
-    _close(weighted_rmse_channels(tile(pred), tile(target), num_lat, rows, pixels),
-           serial_rmse(pred, target), f"{where} weighted RMSE")
-    _close(weighted_acc_channels(tile(pred), tile(target), tile(clim), num_lat, rows),
-           serial_acc(pred, target, clim), f"{where} weighted ACC")
+    t = Tile(tuple(pred.shape[-2:]), rows, cols)
+    assert_close_rel(relative_l2(tile(pred), tile(target), t), serial_l2_loss(pred, target),
+           f"{where} validation loss", RTOL)
+    assert_close_rel(weighted_rmse_channels(tile(pred), tile(target), t),
+           weighted_rmse_channels(pred, target), f"{where} weighted RMSE", RTOL)
+    assert_close_rel(weighted_acc_channels(tile(pred), tile(target), tile(clim), t),
+           weighted_acc_channels(pred, target, clim), f"{where} weighted ACC", RTOL)
+    assert torch.equal(whole_field(tile(pred), t), pred), f"{where} whole field"
 
 
 @pytest.mark.distributed
@@ -71,4 +70,4 @@ def test_one_rank_tile_is_the_whole_field() -> None:
     pred, target, _ = _fields()
     assert tile_bounds(GRID, PATCH) == (slice(0, 28), slice(0, 36))
     assert torch.equal(scatter_image(pred, GRID, PATCH), pred)
-    _close(l2_loss(pred, target), serial_l2_loss(pred, target), "l2 loss")
+    assert_close_rel(l2_loss(pred, target), serial_l2_loss(pred, target), "l2 loss", RTOL)

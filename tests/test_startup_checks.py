@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, child_env
+from helpers import REPO, child_env, one_line
 
 from utils.errors import LaunchError
 from utils.startup_checks import (
@@ -22,12 +22,6 @@ from utils.startup_checks import (
 )
 
 MIN = ".".join(map(str, MIN_TORCH))
-
-
-def one_line(exc_info: pytest.ExceptionInfo) -> str:
-    msg = str(exc_info.value)
-    assert msg and "\n" not in msg, msg
-    return msg
 
 
 # ----------------------------------------------------------------- torch version
@@ -146,6 +140,7 @@ def run_cli(**env: str) -> subprocess.CompletedProcess:
                           env=child_env(env), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_cli_in_a_slurm_gpu_step_on_this_cpu_machine_exits_2_with_one_line():
     r = run_cli(SLURM_STEP_GPUS="0", SLURM_PROCID="0")
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -155,6 +150,7 @@ def test_cli_in_a_slurm_gpu_step_on_this_cpu_machine_exits_2_with_one_line():
         assert "CPU-only build" in lines[0]
 
 
+@pytest.mark.e2e
 def test_cli_without_a_gpu_request_says_ok():
     r = run_cli()
     assert r.returncode == 0, r.stderr

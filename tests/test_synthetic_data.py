@@ -1,5 +1,8 @@
 """Tests of the synthetic ERA5-like generator: layout contract, stats, determinism, realism and
-learnability (persistence is non-trivial, skill decays, a linear model is not enough)."""
+learnability (persistence is non-trivial, skill decays, a linear model is not enough).
+
+The data set under test is the one every other test trains on: conftest's `tiny_data`
+(16 x 32, 24 samples per year, seed 0)."""
 
 import copy
 import subprocess
@@ -9,18 +12,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import REPO, TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR, child_env
 
 import utils.data.synthetic as sd
 from utils.data.synthetic import CHANNEL_NAMES, generate
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = dict(img_size=(16, 32), samples_per_year=32, train_years=2, valid_years=1, test_years=1)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "data"
-    return out, generate(out, seed=0, **TINY)
+YEAR = TINY_SAMPLES_PER_YEAR  # samples in one file: one continuous trajectory
 
 
 def _read(path):
@@ -32,17 +29,16 @@ def _train(out):
     return np.concatenate([_read(p) for p in sorted((out / "train").glob("*.h5"))])
 
 
-def test_layout_shapes_and_attributes(data):
-    out, summary = data
-    assert not summary["skipped"] and summary["seconds"] > 0
+def test_layout_shapes_and_attributes(tiny_data):
+    out = tiny_data
     expected = {"train": ["2016.h5", "2017.h5"], "valid": ["2018.h5"], "test": ["2019.h5"]}
     for split, names in expected.items():
         assert sorted(p.name for p in (out / split).iterdir()) == names
         for name in names:
             with h5py.File(out / split / name, "r") as f:
                 ds = f["fields"]
-                assert ds.shape == (32, 20, 16, 32) and ds.dtype == np.float32
-                assert ds.chunks == (1, 20, 16, 32)
+                assert ds.shape == (YEAR, 20, *TINY_IMG_SIZE) and ds.dtype == np.float32
+                assert ds.chunks == (1, 20, *TINY_IMG_SIZE)
                 assert list(ds.attrs["channel_names"]) == list(CHANNEL_NAMES)
                 assert ds.attrs["dt_hours"] == 6 and ds.attrs["seed"] == 0
                 assert np.isfinite(ds[:]).all()
@@ -50,13 +46,13 @@ def test_layout_shapes_and_attributes(data):
     assert not list(out.rglob("*.tmp"))
 
 
-def test_stats_match_numpy(data):
-    out, _ = data
+def test_stats_match_numpy(tiny_data):
+    out = tiny_data
     x = _train(out).astype(np.float64)
     means = np.load(out / "stats" / "global_means.npy")
     stds = np.load(out / "stats" / "global_stds.npy")
     clim = np.load(out / "stats" / "time_means.npy")
-    assert means.shape == stds.shape == (1, 20, 1, 1) and clim.shape == (1, 20, 16, 32)
+    assert means.shape == stds.shape == (1, 20, 1, 1) and clim.shape == (1, 20, *TINY_IMG_SIZE)
     assert means.dtype == stds.dtype == clim.dtype == np.float32
     np.testing.assert_allclose(means, x.mean(axis=(0, 2, 3), keepdims=True), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(stds, x.std(axis=(0, 2, 3), keepdims=True), rtol=1e-4)
@@ -64,8 +60,8 @@ def test_stats_match_numpy(data):
     assert (stds > 0).all()
 
 
-def test_realistic_magnitudes(data):
-    out, _ = data
+def test_realistic_magnitudes(tiny_data):
+    out = tiny_data
     x = np.concatenate([_train(out), _read(out / "valid" / "2018.h5")])
     mean = {c: float(x[:, i].mean()) for i, c in enumerate(CHANNEL_NAMES)}
     assert 4.8e4 <= mean["z500"] <= 6e4 and 260 <= mean["t2m"] <= 300
@@ -82,9 +78,9 @@ def test_realistic_magnitudes(data):
     assert stds.max() / stds.min() > 100  # channels differ wildly: normalisation matters
 
 
-def test_persistence_is_nontrivial_and_skill_decays(data):
-    out, _ = data
-    x = _train(out)[:32].astype(np.float64)  # one year: a continuous trajectory
+def test_persistence_is_nontrivial_and_skill_decays(tiny_data):
+    out = tiny_data
+    x = _train(out)[:YEAR].astype(np.float64)  # one year: a continuous trajectory
     means = np.load(out / "stats" / "global_means.npy")
     stds = np.load(out / "stats" / "global_stds.npy")
     u10 = ((x - means) / stds)[:, CHANNEL_NAMES.index("u10")]
@@ -93,15 +89,15 @@ def test_persistence_is_nontrivial_and_skill_decays(data):
     assert err[0] < err[1] < err[2]
 
 
-def test_linear_predictor_is_not_enough(data):
-    out, _ = data
+def test_linear_predictor_is_not_enough(tiny_data):
+    out = tiny_data
     x = _train(out).astype(np.float64)
     means = np.load(out / "stats" / "global_means.npy")
     xn = (x - means) / np.load(out / "stats" / "global_stds.npy")
     c = CHANNEL_NAMES.index("u10")
     # One global linear map from the 3x3 neighbourhood of all 20 channels (inside a year).
     rows, targets = [], []
-    for year in (xn[:32], xn[32:]):
+    for year in (xn[:YEAR], xn[YEAR:]):
         nb = [np.roll(year[:-1], (dy, dx), axis=(2, 3)) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
         rows.append(np.concatenate(nb, axis=1).transpose(0, 2, 3, 1).reshape(-1, 180))
         targets.append(year[1:, c].reshape(-1))
@@ -161,14 +157,17 @@ def test_idempotent_and_force(tmp_path, monkeypatch, capsys):
         generate(tmp_path / "bad", img_size=(8, 16), samples_per_year=0)
 
 
+@pytest.mark.e2e
 def test_cli(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "utils.data.synthetic", "--out", str(out), "--img_size", "8",
            "16", "--samples_per_year", "2", "--valid_years", "1", "--seed", "3"]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = child_env()
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert (out / "stats" / "time_means.npy").exists() and (out / "test" / "2019.h5").exists()
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "complete" in again.stdout
-    bad = subprocess.run(cmd[:5] + ["0", "16"], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run(cmd[:5] + ["0", "16"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert bad.returncode == 2 and "--img_size" in bad.stderr

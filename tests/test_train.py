@@ -1,6 +1,6 @@
 """train.py end to end on the tiny config: short subprocess runs in each precision and
-optimisation mode, what a run writes (stdout, out.log, TensorBoard), that it learns, and
-that user errors end with exit code 2 and one `error:` line.
+optimisation mode, what a run writes (stdout, out.log, TensorBoard), and that it learns.
+(User errors, exit code 2 and one `error:` line: test_errors.py.)
 
 Runs are shared where one run can prove several things (the 48-iteration fp32 run backs
 the learning, TensorBoard and out.log tests) to keep this file around a minute.
@@ -15,28 +15,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import EPOCH_LINES, TINY_ITERS_PER_EPOCH, assert_completed, losses, run_script
 
 from networks.vit import VisionTransformer
 from utils.evaluation import l2_loss
 from utils.precision import grad_scaler
 from utils.training import lr_factor
 
-EPOCH_LINES = ("Time taken for epoch", "Avg train loss=", "Avg val loss=",
-               "Total validation time:")
 SCALARS = ("Loss/train", "Loss/valid", "RMSE(u10m)/valid", "Learning Rate", "Avg iters per sec",
            "Avg samples per sec")
 FIGURE = "Visualization, t2m"
 TINY_LR = 1.0e-3
-ITERS_PER_EPOCH = 8  # tiny: limit_nsamples 32 / global batch 4
-
-
-def assert_completed(run, epochs: int = 1) -> None:
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.output[-4000:]}"
-    assert "Traceback" not in run.output, run.output[-4000:]
-    for line in EPOCH_LINES:
-        assert run.stdout.count(line) == epochs, (line, run.stdout[-3000:])
-    assert "Finished" in run.stdout
+ITERS_PER_EPOCH = TINY_ITERS_PER_EPOCH  # tiny: limit_nsamples 32 / global batch 4
 
 
 def config_value(run, key: str) -> str:
@@ -65,17 +55,17 @@ def learning_run(tiny_data, tmp_path_factory):
                       data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("learn_logs"))
 
 
+@pytest.mark.e2e
 def test_fp32_run_completes_and_prints_the_epoch_lines(learning_run):
-    assert_completed(learning_run, epochs=48 // ITERS_PER_EPOCH)
+    assert_completed(learning_run, 48, epochs=48 // ITERS_PER_EPOCH)
     assert config_value(learning_run, "amp_mode") == "none"
-    assert "Finished 48 iterations" in learning_run.stdout
 
 
+@pytest.mark.e2e
 def test_loss_goes_down_over_a_short_run(learning_run):
-    assert_completed(learning_run, epochs=6)
-    initial = float(re.search(r"Initial val loss=([0-9.]+)", learning_run.stdout).group(1))
-    train = [float(v) for v in re.findall(r"Avg train loss=([0-9.]+)", learning_run.stdout)]
-    val = [float(v) for v in re.findall(r"Avg val loss=([0-9.]+)", learning_run.stdout)]
+    assert_completed(learning_run, 48, epochs=6)
+    logged = losses(learning_run)
+    (initial,), train, val = logged["initial"], logged["train"], logged["val"]
     # The untrained model's relative L2 error is ~1; 48 steps get clearly below it.
     assert initial > 0.9
     assert val[-1] < 0.9 * initial, (initial, val)
@@ -83,6 +73,7 @@ def test_loss_goes_down_over_a_short_run(learning_run):
     assert train[-1] < train[0] and val[-1] < val[0]
 
 
+@pytest.mark.e2e
 def test_tensorboard_holds_the_scalars_and_a_figure(learning_run):
     logs = learning_run.exp_dir("tiny", 1, "7") / "logs"
     assert list(logs.glob("events.out.tfevents.*")), f"no event file in {logs}"
@@ -109,6 +100,7 @@ def test_tensorboard_holds_the_scalars_and_a_figure(learning_run):
     assert values["Loss/valid"][-1][1] < 0.9 * values["Loss/valid"][0][1]
 
 
+@pytest.mark.e2e
 def test_out_log_holds_the_epoch_lines(learning_run):
     out_log = learning_run.exp_dir("tiny", 1, "7") / "out.log"
     assert out_log.is_file()
@@ -124,20 +116,23 @@ def short_run(run_train, *flags: str):
     return run_train("train.py", ["--config=tiny", f"--num_iters={ITERS_PER_EPOCH}", *flags])
 
 
+@pytest.mark.e2e
 def test_bf16_autocast_with_two_data_workers(run_train):
     run = short_run(run_train, "--amp_mode=bf16", "--num_data_workers=2")
-    assert_completed(run)
+    assert_completed(run, ITERS_PER_EPOCH, epochs=1)
     assert config_value(run, "amp_mode") == "bf16"
     assert config_value(run, "num_data_workers") == "2"
 
 
+@pytest.mark.e2e
 def test_fp16_autocast_with_grad_scaler_and_fused_adam(run_train):
     run = short_run(run_train, "--amp_mode=fp16", "--enable_fused")
-    assert_completed(run)
+    assert_completed(run, ITERS_PER_EPOCH, epochs=1)
     assert config_value(run, "amp_mode") == "fp16"
     assert config_value(run, "enable_fused") == "True"
 
 
+@pytest.mark.e2e
 def test_torch_compile_run(run_train):
     # One compile thread: no worker pool to start on a small machine. The first run on a
     # machine compiles from scratch (tens of seconds); torch's on-disk cache speeds up later
@@ -145,7 +140,7 @@ def test_torch_compile_run(run_train):
     run = run_train("train.py", ["--config=tiny", f"--num_iters={ITERS_PER_EPOCH}",
                                  "--enable_jit"],
                     env_extra={"TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=600)
-    assert_completed(run)
+    assert_completed(run, ITERS_PER_EPOCH, epochs=1)
     assert config_value(run, "enable_jit") == "True"
 
 
@@ -177,25 +172,3 @@ def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
 
-
-# ----------------------------------------------------------------- user errors
-
-def assert_user_error(run, *words: str) -> str:
-    assert run.returncode == 2, f"exit {run.returncode}\n{run.output[-3000:]}"
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("error: ")
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
-
-
-def test_unknown_config_exits_2_with_one_error_line(run_train):
-    run = run_train("train.py", ["--config=no_such_config"])
-    assert_user_error(run, "no_such_config", "tiny", "cpu_short")
-
-
-def test_missing_data_directory_exits_2_with_one_error_line(run_train, tmp_path):
-    missing = tmp_path / "no_data"
-    run = run_train("train.py", ["--config=tiny"], data_dir=missing)
-    assert_user_error(run, str(missing / "train"), "does not exist")

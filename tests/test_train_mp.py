@@ -6,8 +6,8 @@ weights; with dp = 1 each rank reads the whole global batch, as train.py does. W
 where the additions of a matmul or an attention sum happen: split over ranks and combined by
 an all-reduce / all-gather. In fp32 that changes the last bits (~1e-7 relative per step).
 
-Tolerances (the same as tests/test_ddp.py): the printed losses (6 decimals) agree to 1e-5
-relative, and after 16 Adam steps (lr 1e-3) the final parameters, gathered into full tensors
+Tolerances (helpers.CPU_FP32, as in tests/test_ddp.py): the printed losses (6 decimals) agree
+to 1e-5 relative, and after 16 Adam steps (lr 1e-3) the final parameters, gathered into full tensors
 in the checkpoint, agree to 1e-5 absolute (measured: <= 3e-7 for tp 2, cp 2 and tp 2 x cp 2);
 Adam's first and second moments agree to 1e-4 of each tensor's largest entry (measured
 ~1e-6), which also catches a gradient reduced over the wrong group (summed twice, or not at
@@ -21,12 +21,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import run_script
-from dist_utils import run_distributed
-from test_ddp import ITERS, assert_completed, assert_same_training
+from helpers import TINY_ITERS, assert_completed, assert_same_training, run_distributed, run_script
 
 from utils.cli import add_model_parallel_args, build_parser
 
+ITERS = TINY_ITERS
 TIMEOUT = 240  # seconds per training subprocess
 GRAPHS_MESSAGE = "CUDA graphs need a GPU"
 
@@ -35,12 +34,6 @@ def run(script: str, tiny_data, tmp_path_factory, *flags: str, nproc: int | None
     return run_script(script, ["--config=tiny", f"--num_iters={ITERS}", *flags],
                       data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("logs"), nproc=nproc,
                       timeout=TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def serial(tiny_data, tmp_path_factory):
-    """train.py on one process: the reference curve."""
-    return run("train.py", tiny_data, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -84,32 +77,36 @@ def logged_gb(run, pattern: str) -> float:
 
 
 # ----------------------------------------------------------------- same curve as train.py
+# `serial_reference` (conftest.py): train.py on one process, global batch 4, 16 iterations.
 
-def test_tp2_trains_like_train_py(serial, tp2):
-    assert_completed(serial)
-    assert_completed(tp2)
-    assert_same_training(tp2, serial, world_size=2)
+@pytest.mark.e2e
+def test_tp2_trains_like_train_py(serial_reference, tp2):
+    assert_completed(tp2, ITERS)
+    assert_same_training(tp2, serial_reference, world_size=2)
 
 
-def test_cp2_trains_like_train_py(serial, cp2):
-    assert_completed(serial)
-    assert_completed(cp2)
+@pytest.mark.e2e
+def test_cp2_trains_like_train_py(serial_reference, cp2):
+    assert_completed(cp2, ITERS)
     assert "Layout: DP = 1, TP = 1, CP = 2" in cp2.stdout
-    assert_same_training(cp2, serial, world_size=2)
+    assert_same_training(cp2, serial_reference, world_size=2)
 
 
-def test_tp2_cp2_on_four_ranks_trains_like_train_py(serial, tiny_data, tmp_path_factory):
-    assert_completed(serial)
+@pytest.mark.e2e
+def test_tp2_cp2_on_four_ranks_trains_like_train_py(serial_reference, tiny_data,
+                                                    tmp_path_factory):
     both = run("train_mp.py", tiny_data, tmp_path_factory, "--tp=2", "--cp=2", nproc=4)
-    assert_completed(both)
+    assert_completed(both, ITERS)
     assert "Layout: DP = 1, TP = 2, CP = 2" in both.stdout
-    assert_same_training(both, serial, world_size=4)
+    assert_same_training(both, serial_reference, world_size=4)
 
 
 # ----------------------------------------------------------------- what the log says
 
+@pytest.mark.e2e
+@pytest.mark.distributed
 def test_tp2_log_shows_the_layout_parameters_per_rank_and_memory(tp2, tiny_params):
-    assert_completed(tp2)
+    assert_completed(tp2, ITERS)
     assert "Layout: DP = 1, TP = 2, CP = 1 (order tp-cp-dp)" in tp2.stdout
     assert "world size 2 (env launcher), global batch 4, local batch 4" in tp2.stdout
     full = local_parameter_count(tiny_params, 1, 1)
@@ -122,8 +119,10 @@ def test_tp2_log_shows_the_layout_parameters_per_rank_and_memory(tp2, tiny_param
     assert 0 < setup <= first <= peak  # CPU: peak RSS, which never goes down
 
 
+@pytest.mark.e2e
+@pytest.mark.distributed
 def test_cp_keeps_every_parameter_on_every_rank(cp2, tiny_params):
-    assert_completed(cp2)
+    assert_completed(cp2, ITERS)
     full = local_parameter_count(tiny_params, 1, 1)
     assert f"Parameters on this rank: {full / 1e6:.2f} M" in cp2.stdout
 
@@ -137,16 +136,18 @@ def test_row_parallel_size_is_the_tutorials_name_for_tp():
 
 # ----------------------------------------------------------------- train_mp_graphs.py on CPU
 
+@pytest.mark.e2e
 def test_graphs_script_says_it_needs_a_gpu_and_trains_eagerly(graphs):
-    assert_completed(graphs)
+    assert_completed(graphs, ITERS)
     assert GRAPHS_MESSAGE in graphs.output  # a warning on each rank, before logging starts
     assert "Layout: DP = 1, TP = 2, CP = 1" in graphs.stdout  # --row_parallel_size=2
     assert "Capturing" not in graphs.output
 
 
+@pytest.mark.e2e
 def test_graphs_script_on_cpu_gives_train_mp_py_curve(graphs, tp2):
     """Same step function, same processes: in practice bitwise equal; the shared tolerance
     keeps the test independent of that."""
-    assert_completed(graphs)
-    assert_completed(tp2)
+    assert_completed(graphs, ITERS)
+    assert_completed(tp2, ITERS)
     assert_same_training(graphs, tp2, world_size=2, ref_world_size=2)

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
-from networks.vit import vit_from_params  # noqa: E402
+from networks import build_model  # noqa: E402
 from utils.data.loader import ERA5Dataset  # noqa: E402
 from utils.run.checkpoint import latest_checkpoint  # noqa: E402
 from utils.run.figures import target_vs_prediction  # noqa: E402
@@ -32,7 +32,7 @@ def scalars(run_dir: str) -> dict[str, tuple[list[int], list[float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
-def plot_curves(run_dir: str, out: str) -> None:
+def plot_curves(run_dir: str, out: str, label: str = "ViT") -> None:
     s = scalars(run_dir)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     for tag in ("Loss/train", "Loss/valid"):
@@ -41,7 +41,7 @@ def plot_curves(run_dir: str, out: str) -> None:
     a.set_ylabel("relative L2 loss")
     a.set_yscale("log")
     a.legend()
-    b.plot(*s["RMSE(u10m)/valid"], label="ViT")
+    b.plot(*s["RMSE(u10m)/valid"], label=label)
     b.plot(*s["RMSE(u10m)/persistence"], "--", label="persistence (t+6h = t)")
     b.set_xlabel("iteration")
     b.set_ylabel("RMSE(u10m) [m/s], validation")
@@ -55,7 +55,7 @@ def plot_curves(run_dir: str, out: str) -> None:
 @torch.no_grad()
 def plot_t2m(params: YParams, run_dir: str, out: str, index: int = 0) -> None:
     params.local_batch_size = 1
-    model = vit_from_params(params)
+    model = build_model(params)
     ckpt = torch.load(latest_checkpoint(run_dir), map_location="cpu", weights_only=False)
     model.load_state_dict(ckpt["model"])
     model.eval()
@@ -79,7 +79,8 @@ def main() -> None:
     params = YParams(args.yaml_config, args.config)
     run = args.run or glob.glob(os.path.join(params.expdir, args.config, "1*", "00"))[0]
     os.makedirs(args.out, exist_ok=True)
-    plot_curves(run, os.path.join(args.out, f"{args.config}_curves.png"))
+    plot_curves(run, os.path.join(args.out, f"{args.config}_curves.png"),
+                label={"vit": "ViT", "afno": "AFNO"}[params.model])
     plot_t2m(params, run, os.path.join(args.out, f"{args.config}_t2m.png"))
     print(f"wrote {args.out}/{args.config}_curves.png and {args.config}_t2m.png")
 

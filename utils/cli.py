@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import argparse
 
+from utils.errors import ConfigError, UserError
+from utils.launch_env import resolve_launch_env
 from utils.YParams import YParams
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser; in a job of several processes only rank 0 prints a bad flag's usage
+    and `error:` lines (every rank parses the same command line, and fails alike): the
+    others raise the ConfigError that run_main leaves to rank 0."""
+
+    def error(self, message: str):
+        try:
+            rank = resolve_launch_env().rank
+        except UserError:  # a broken launcher environment: say it from every rank
+            rank = 0
+        if rank != 0:
+            raise ConfigError(message)
+        super().error(message)
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = FlagParser(description=description)
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
     p.add_argument("--run_num", default=None, type=str,
@@ -26,6 +43,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="read the next batches in a thread of the training process")
     p.add_argument("--data_loader_config", choices=["pytorch", "dali"], default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--rollout_steps", type=int, default=None,
+                   help="train on the loss of K autoregressive steps (default 1)")
+    p.add_argument("--init_from", type=str, default=None,
+                   help="start from this checkpoint's weights (fine-tuning: iteration 0, "
+                        "fresh optimizer)")
     # Data parallelism
     p.add_argument("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size")
     p.add_argument("--disable_broadcast_buffers", action="store_true",
@@ -63,7 +85,8 @@ def add_model_parallel_args(p: argparse.ArgumentParser) -> argparse.ArgumentPars
 FLAG_KEYS = ("amp_mode", "num_iters", "num_data_workers", "data_loader_config", "seed", "tp",
              "cp", "h_parallel_size", "w_parallel_size", "parallel_order",
              "checkpoint_interval", "checkpoint_keep", "run_num", "local_batch_size",
-             "enable_fused", "enable_jit", "prefetch_thread")
+             "enable_fused", "enable_jit", "rollout_steps", "init_from",
+             "prefetch_thread")
 # Settings of this run only (not config keys): they live in params too, so that the code
 # reads one place.
 RUN_FLAGS = ("resume", "requeue", "noddp", "bucket_cap_mb", "disable_broadcast_buffers")

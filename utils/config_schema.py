@@ -87,7 +87,8 @@ class TrainingKeys(Keys):
     """Training"""
 
     dt: PosInt = Field(1, description="6-hour steps between input and target")
-    rollout_steps: PosInt = Field(1, description="autoregressive steps of dt per forecast")
+    rollout_steps: PosInt = Field(
+        1, description="training loss over K autoregressive steps of dt (1: one-step loss)")
     global_batch_size: PosInt = Field(description="samples per optimizer step, over all dp ranks")
     local_batch_size: PosInt | None = Field(
         None, description="samples per rank; if set, global = local x dp size")
@@ -114,6 +115,9 @@ class RunKeys(Keys):
     checkpoint_interval: NonNegInt = Field(
         1000, description="iterations between checkpoints (0: only at the end)")
     checkpoint_keep: PosInt = Field(3, description="newest checkpoints kept")
+    init_from: PathStr | None = Field(
+        None, description="checkpoint whose weights start a fine-tune (iteration 0, fresh "
+                          "optimizer and schedule; --resume wins)")
 
 
 class DataKeys(Keys):
@@ -180,11 +184,34 @@ def _check_splits(c: Config) -> None:
         if getattr(c, key) > n:
             raise ValueError(f"{key} {getattr(c, key)} is larger than the {n} token {what} "
                              f"of img_size {H}x{W} with patch_size {p}")
+    if c.model == "afno" and c.w_parallel_size > c.num_blocks:
+        # the spectrum's channels are split over w in whole blocks, at least one per rank
+        raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
+                         f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
     sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
     missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
     if missing:
         raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
                          "whose size is > 1")
+
+
+def _check_rollout(c: Config) -> None:
+    if c.rollout_steps > 1 and c.data_loader_config == "dali":
+        raise ValueError(f"rollout_steps {c.rollout_steps} needs data_loader_config pytorch "
+                         "(the DALI pipeline reads one target per sample)")
+
+
+def _check_layout(c: Config) -> None:
+    # Each model has its own model parallelism: the ViT splits matmuls and the sequence
+    # (tp, cp), the AFNO splits its grid over the h x w mesh (a distributed FFT).
+    h, w = c.h_parallel_size, c.w_parallel_size
+    if c.model == "afno" and c.tp * c.cp > 1:
+        raise ValueError(f"model afno splits its grid over h_parallel_size x w_parallel_size, "
+                         f"not tp/cp: got tp {c.tp}, cp {c.cp} (use --h_parallel_size, "
+                         "--w_parallel_size)")
+    if c.model == "vit" and h * w > 1:
+        raise ValueError(f"h_parallel_size {h} x w_parallel_size {w} split the AFNO's grid; "
+                         "model vit is split with tp and cp (or use model afno)")
 
 
 class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
@@ -194,7 +221,9 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
     def _consistent(self) -> Config:
         _check_patches(self)
         _check_widths(self)
+        _check_layout(self)
         _check_splits(self)
+        _check_rollout(self)
         return self
 
 

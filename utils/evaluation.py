@@ -3,6 +3,11 @@ correlation (ACC) per channel, and `validate` over a data-parallel validation se
 
 Rows run from +90 (north) to -90 degrees; a row's weight is cos(latitude) normalised to
 mean 1, so polar rows (which cover little area) count little.
+
+Every score is a ratio of sums over the grid. Given a `Tile` (spatial parallelism: this
+rank holds a block of the grid's rows and columns) the sums run over the tile with the
+weights of its own latitudes, one all-reduce over the "h-w" ranks completes them, and every
+rank of the mesh gets the score of the whole grid. Without one, the fields are the whole grid.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from typing import Any
 import torch
 
 from utils import comm
-from utils.data.loader import load_stats
+from utils.data.loader import load_stats, load_stds
 from utils.errors import DataError
 from utils.precision import autocast
+from utils.tile import Tile
 
 
 def l2_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -39,21 +45,67 @@ def latitude_weights(num_lat: int, device: torch.device | str = "cpu") -> torch.
     return (w / w.mean()).to(device=device, dtype=torch.float32).unsqueeze(1)
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C): sqrt of the latitude-weighted mean squared error."""
-    w = latitude_weights(pred.shape[-2], pred.device)
-    return torch.sqrt(torch.mean(w * (pred.float() - target.float()) ** 2, dim=(-1, -2)))
+def _tile_of(x: torch.Tensor, tile: Tile | None) -> Tile:
+    return tile if tile is not None else Tile.whole(x.shape[-2:])
+
+
+def _over_grid(sums: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """Sums over a tile -> sums over the grid (collective over "h-w" for a part of it)."""
+    return sums if tile.is_whole else comm.sum_over(sums, "h-w")
+
+
+def _tile_weights(tile: Tile, device: torch.device) -> torch.Tensor:
+    """(rows, 1) latitude weights of the global grid at the tile's rows."""
+    return latitude_weights(tile.grid[0], device)[tile.rows]
+
+
+def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor,
+                           tile: Tile | None = None) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C): sqrt of the latitude-weighted mean squared error (of the
+    whole grid, also when the fields are a `tile` of it)."""
+    tile = _tile_of(pred, tile)
+    w = _tile_weights(tile, pred.device)
+    sq = torch.sum(w * (pred.float() - target.float()) ** 2, dim=(-1, -2))
+    return torch.sqrt(_over_grid(sq, tile) / (tile.grid[0] * tile.grid[1]))
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
-                          climatology: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C): weighted correlation of anomalies w.r.t. the climatology."""
-    w = latitude_weights(pred.shape[-2], pred.device)
+                          climatology: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C): weighted correlation of anomalies w.r.t. the climatology
+    (given on the same grid or tile as the fields)."""
+    tile = _tile_of(pred, tile)
+    w = _tile_weights(tile, pred.device)
     a_p = pred.float() - climatology
     a_t = target.float() - climatology
-    num = torch.sum(w * a_p * a_t, dim=(-1, -2))
-    den = torch.sqrt(torch.sum(w * a_p**2, dim=(-1, -2)) * torch.sum(w * a_t**2, dim=(-1, -2)))
-    return num / den
+    sums = torch.stack([torch.sum(w * a_p * a_t, dim=(-1, -2)),
+                        torch.sum(w * a_p**2, dim=(-1, -2)),
+                        torch.sum(w * a_t**2, dim=(-1, -2))])
+    num, pp, tt = _over_grid(sums, tile)
+    return num / torch.sqrt(pp * tt)
+
+
+@torch.no_grad()
+def relative_l2(pred: torch.Tensor, target: torch.Tensor, tile: Tile | None = None
+                ) -> torch.Tensor:
+    """`l2_loss` as a score (no gradient), also of fields split into tiles. Training on
+    tiles uses the differentiable `distributed.spatial_metrics.l2_loss`."""
+    tile, b = _tile_of(pred, tile), pred.shape[0]
+    diff = (pred.float() - target.float()).reshape(b, -1)
+    sums = torch.stack([diff.square().sum(1), target.float().reshape(b, -1).square().sum(1)])
+    sums = _over_grid(sums, tile)
+    return (sums[0].sqrt() / sums[1].sqrt()).mean()
+
+
+@torch.no_grad()
+def whole_field(x: torch.Tensor, tile: Tile | None) -> torch.Tensor:
+    """The whole (..., H, W) field from every rank's tile of it (collective over "h-w"):
+    each rank adds its tile into zeros. For an example map; not for every batch."""
+    tile = _tile_of(x, tile)
+    if tile.is_whole:
+        return x
+    out = x.new_zeros(*x.shape[:-2], *tile.grid)
+    out[..., tile.rows, tile.cols] = x
+    return comm.sum_over(out, "h-w")
 
 
 class Normaliser:
@@ -66,8 +118,7 @@ class Normaliser:
         # load_stats: a missing file or a wrong shape is a one-line DataError.
         self.means = torch.from_numpy(
             load_stats(params.global_means_path, C, "global means")).to(device)
-        self.stds = torch.from_numpy(
-            load_stats(params.global_stds_path, C, "global stds")).to(device)
+        self.stds = torch.from_numpy(load_stds(params.global_stds_path, C)).to(device)
         clim = load_stats(params.time_means_path, C, "time means")
         if clim.shape[2] < H or clim.shape[3] < W:
             raise DataError(f"time means {params.time_means_path} are {clim.shape[2]}x"
@@ -82,10 +133,15 @@ class Normaliser:
 
 @torch.no_grad()
 def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: Any,
-             norm: Normaliser, max_batches: int | None = None) -> dict[str, Any]:
+             norm: Normaliser, max_batches: int | None = None,
+             tile: Tile | None = None) -> dict[str, Any]:
     """Loss, latitude-weighted RMSE(u10m) in m/s, persistence RMSE and ACC over the
-    validation set, summed over the data-parallel ranks and averaged."""
+    validation set, summed over the data-parallel ranks and averaged. With a `tile`, the
+    loader and the model hold this rank's tile of every field, and the scores are those of
+    the whole grid (collectives over "h-w": every rank of the mesh calls this)."""
     model.eval()
+    tile = tile or Tile.whole(params.img_size)
+    climatology = norm.climatology[..., tile.rows, tile.cols]
     # [loss x samples, rmse_u10, persistence_u10, acc_u10, acc_t2m], summed over samples
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     samples, first = 0, None
@@ -97,14 +153,15 @@ def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: 
         with autocast(params, device):
             gen = model(inp)
         gen = gen.float()
-        rmse = weighted_rmse_channels(gen, tar) * std
-        persist = weighted_rmse_channels(inp, tar) * std
-        skill = weighted_acc_channels(gen, tar, norm.climatology)
-        sums += torch.stack([l2_loss(gen, tar) * inp.shape[0], rmse[:, 0].sum(),
+        rmse = weighted_rmse_channels(gen, tar, tile) * std
+        persist = weighted_rmse_channels(inp, tar, tile) * std
+        skill = weighted_acc_channels(gen, tar, climatology, tile)
+        sums += torch.stack([relative_l2(gen, tar, tile) * inp.shape[0], rmse[:, 0].sum(),
                              persist[:, 0].sum(), skill[:, 0].sum(), skill[:, 2].sum()]).double()
         samples += inp.shape[0]
-        if first is None:
-            first = (inp[0, 2].cpu().numpy(), tar[0, 2].cpu().numpy(), gen[0, 2].cpu().numpy())
+        if first is None:  # t2m of the first sample: input, target, forecast, whole grid
+            maps = whole_field(torch.stack([inp[0, 2], tar[0, 2], gen[0, 2]]), tile)
+            first = tuple(m.cpu().numpy() for m in maps)
     totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp").tolist()
     n = max(totals[5], 1.0)
     model.train()

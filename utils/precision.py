@@ -102,12 +102,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     On CUDA, reduced-precision SDPA is kept (flash attention is fast there).
     """
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        if q.shape[-2] * k.shape[-2] <= MATH_PATH_MAX_SCORES:
+        # Decided by the key length, the whole sequence in every layout: context-parallel
+        # ranks (fewer queries each) take the path the serial model takes.
+        if k.shape[-2] ** 2 <= MATH_PATH_MAX_SCORES:
             return math_attention(q, k, v, dropout_p, torch.get_autocast_dtype("cpu"))
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                   dropout_p=dropout_p)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
+def patch_conv(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A patch embedding's strided convolution, in fp32 under CPU autocast.
+
+    torch 2.13's oneDNN AMX kernel for this bf16 convolution (kernel = stride = 8, >= 16
+    input channels: the ViT's and the AFNO's patch embedding at the CPU and full sizes)
+    returns wrong outputs on CPUs with AMX (relative error ~1.3 measured on a Sapphire
+    Rapids-class Xeon; its backward and every bf16 matmul are right). The patch embedding is
+    a few percent of a step, so it runs in fp32 on every CPU; GPUs keep autocast.
+    """
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return conv(x.float())
+    return conv(x)
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,

@@ -8,6 +8,7 @@ train.py, where a reader follows it top to bottom.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,17 +18,21 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from utils import comm
+from utils.data.checks import BatchScan
 from utils.data.loader import get_loader
 from utils.errors import ConfigError, DataError
 from utils.evaluation import Normaliser, l2_loss
 from utils.precision import autocast, grad_scaler, settle_amp_mode
+from utils.rollout import rollout
 from utils.run.checkpoint import Checkpointer, resolve_resume
+from utils.run.finetune import load_weights
 from utils.run.guard import RunGuard
 from utils.run.preemption import StopSignal
 from utils.run.profiling import StepProfiler
 from utils.run.progress import Progress
 from utils.run.run_log import RunLog
 from utils.run.setup import experiment_dir
+from utils.tile import Tile
 
 # ----------------------------------------------------------------------------- optimizer
 
@@ -71,13 +76,22 @@ def wrap_model(model: torch.nn.Module, params: Any, device: torch.device) -> tor
             model = DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=comm.get_group("dp"), bucket_cap_mb=params.bucket_cap_mb,
-                broadcast_buffers=not params.disable_broadcast_buffers,
-                gradient_as_bucket_view=params.disable_broadcast_buffers)
+                gradient_as_bucket_view=params.disable_broadcast_buffers,
+                **buffer_sync(not params.disable_broadcast_buffers))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
     if params.enable_jit:
         model = torch.compile(model)
     return model
+
+
+def buffer_sync(each_forward: bool) -> dict[str, bool]:
+    """DDP's argument for broadcasting buffers from rank 0 at every forward: named
+    `forward_sync_buffers` since PyTorch 2.13 (`broadcast_buffers` warns there), and
+    `broadcast_buffers` before (the oldest PyTorch this code supports is 2.7.1)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": each_forward}
+    return {"broadcast_buffers": each_forward}
 
 
 # ----------------------------------------------------------------------------- run state
@@ -104,6 +118,7 @@ class Training:
     exp_dir: str
     steps_per_epoch: int
     resumed: bool = False
+    tile: Tile | None = None  # spatial parallelism: this rank's part of the grid
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = l2_loss
 
     @property
@@ -137,16 +152,18 @@ class Training:
 
 def build_training(params: Any, device: torch.device, model: torch.nn.Module,
                    checkpoint_hooks: dict[str, Callable] | None = None,
-                   capturable: bool = False) -> Training:
+                   capturable: bool = False, tile: Tile | None = None) -> Training:
     """Loaders, optimizer, schedule, loss scaling, checkpoints (resumed if asked), profiler
-    and logs for `model` (already on `device`, wrapped by `wrap_model`)."""
+    and logs for `model` (already on `device`, wrapped by `wrap_model`). With a `tile`
+    (spatial parallelism) the loaders read only that part of every field."""
     exp_dir = experiment_dir(params, comm.get_world_size(), device)
     settle_amp_mode(params, device)  # 'auto' -> this hardware's choice; emulated? say so
     # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (utils/run/preemption.py).
     # Installed before the data loaders fork their workers, which inherit the handler.
     stop = StopSignal()
-    # Every data-parallel rank reads its own shard of each epoch.
-    shard = {"num_replicas": comm.get_size("dp"), "rank": comm.get_rank("dp")}
+    # Every data-parallel rank reads its own shard of each epoch (the ranks of a model-
+    # parallel group the same one: on a spatial mesh, each its tile of the same samples).
+    shard = {"num_replicas": comm.get_size("dp"), "rank": comm.get_rank("dp"), "tile": tile}
     train_loader, _, train_sampler = get_loader(params, params.train_data_path, train=True,
                                                 **shard)
     if len(train_loader) == 0:
@@ -158,10 +175,13 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
     scaler = grad_scaler(params, device)
     ckpt = Checkpointer(exp_dir, params, model, optimizer, scheduler, scaler,
                         **(checkpoint_hooks or {}))
+    ckpt.check_room()  # a disk too full for the checkpoints stops the run now
     progress = Progress(loss_sum=torch.zeros((), device=device))
     resume = resolve_resume(params.resume, exp_dir, requeue=params.requeue)
-    if resume:
+    if resume:  # a resumed fine-tune continues from its own checkpoint, not init_from's
         progress = ckpt.restore(resume)
+    elif params.get("init_from"):
+        load_weights(params.init_from, params, model, ckpt.to_local)
     ckpt.start_at(progress.iters)  # set aside checkpoints of an earlier run beyond this point
     # purge_step: a resumed run first drops the TensorBoard events that the interrupted run
     # wrote after its checkpoint, so that every curve is one line without repeated steps.
@@ -174,8 +194,11 @@ def build_training(params: Any, device: torch.device, model: torch.nn.Module,
         val_loader=val_loader, norm=Normaliser(params, device), ckpt=ckpt,
         prof=StepProfiler(device, exp_dir, rank=comm.get_world_rank()),
         log=RunLog(exp_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
-        guard=RunGuard(params, device, ckpt, stop), progress=progress, exp_dir=exp_dir,
-        steps_per_epoch=len(train_loader), resumed=bool(resume), loss_fn=loss_function(params))
+        guard=RunGuard(params, device, ckpt, stop,
+                       scan=BatchScan(train_loader.dataset, train_sampler)),
+        progress=progress, exp_dir=exp_dir,
+        steps_per_epoch=len(train_loader), resumed=bool(resume), tile=tile,
+        loss_fn=loss_function(params))
 
 
 def loss_function(params: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -186,16 +209,33 @@ def loss_function(params: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.T
 
 # ----------------------------------------------------------------------------- the step
 
+def rollout_loss(model: torch.nn.Module, inp: torch.Tensor, tar: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Mean over k of loss_fn(x_k, target_k), x_k the model applied k times to `inp`
+    (B, C, H, W); `tar` is (B, K, C, H, W). Gradients flow through every step, so the
+    model learns from the errors its own output feeds into the next step."""
+    preds = rollout(model, inp, tar.shape[1])
+    losses = [loss_fn(preds[:, k], tar[:, k]) for k in range(tar.shape[1])]
+    return torch.stack(losses).mean()
+
+
 def train_step(run: Training, inp: torch.Tensor, tar: torch.Tensor,
-               after_backward: Callable[[torch.nn.Module], None] | None = None
+               after_backward: Callable[[torch.nn.Module], None] | None = None,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                ) -> torch.Tensor:
     """One optimizer step: forward under autocast, scaled backward, optimizer step.
     `after_backward(model)` runs between backward and the update (train_mp.py: the
-    model-parallel gradient reduction)."""
-    prof = run.prof
+    model-parallel gradient reduction); `loss_fn` is the loss (train_mp.py on a spatial
+    mesh: the loss of tiles, summed over the mesh; default: the run's, `l2_loss`). A target
+    with a step axis (B, K, C, H, W) (`rollout_steps` K > 1) trains on the mean loss of a
+    K-step rollout."""
+    prof, loss_fn = run.prof, loss_fn or getattr(run, "loss_fn", l2_loss)
     with prof.range("forward"):
         with autocast(run.params, run.device):
-            loss = run.loss_fn(run.model(inp), tar)
+            if tar.dim() == inp.dim():
+                loss = loss_fn(run.model(inp), tar)
+            else:
+                loss = rollout_loss(run.model, inp, tar, loss_fn)
     with prof.range("backward"):
         run.scaler.scale(loss).backward()
     if after_backward is not None:

@@ -19,9 +19,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
-from conftest import run_script
+from helpers import Tolerances, losses, run_script
 
 REQUIRED = bool(os.environ.get("GPU_TESTS_REQUIRED"))
 
@@ -30,9 +31,11 @@ REQUIRED = bool(os.environ.get("GPU_TESTS_REQUIRED"))
 # two correct runs differ by rounding: ~1e-7 relative per step in fp32, growing over steps.
 # The bounds leave room for that and stay far below what a bug changes: a wrong batch, a
 # missing all-reduce or a stale graph input moves a parameter by ~lr = 1e-3 per step.
-LOSS_RTOL = 1e-4        # printed losses have 6 decimals
-PARAM_ATOL = 1e-4       # 10 % of one Adam step at lr 1e-3
-MOMENT_RTOL = 1e-3      # Adam moments, relative to each tensor's largest entry
+GPU_FP32 = Tolerances(
+    loss_rtol=1e-4,     # printed losses have 6 decimals
+    param_atol=1e-4,    # 10 % of one Adam step at lr 1e-3
+    moment_rtol=1e-3,   # Adam moments, relative to each tensor's largest entry
+)
 # fp32 everywhere: TF32 matmuls would add ~1e-3 relative noise per product.
 FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 TIMEOUT = 600           # seconds per training subprocess (CUDA start-up, cuDNN autotuning)
@@ -95,15 +98,6 @@ def gpu_run(script: str, args: Sequence[str], data_dir: Path, log_dir: Path,
     return run
 
 
-def losses(run) -> dict[str, list[float]]:
-    """The untrained model's validation loss, then train and validation loss per epoch."""
-    def values(label: str) -> list[float]:
-        return [float(v) for v in re.findall(rf"{label}=([-+0-9.eEnaif]+)", run.stdout)]
-
-    return {"initial": values("Initial val loss"), "train": values("Avg train loss"),
-            "val": values("Avg val loss")}
-
-
 def assert_finite_and_learning(run) -> None:
     got = losses(run)
     every = got["initial"] + got["train"] + got["val"]
@@ -111,32 +105,12 @@ def assert_finite_and_learning(run) -> None:
     assert got["val"][-1] < got["initial"][0], f"validation loss did not go down: {got}"
 
 
-def checkpoint(run, config: str, world_size: int, iters: int) -> dict:
-    path = (run.log_dir / config / f"{world_size}GPU" / "00" / "checkpoints"
-            / f"ckpt_{iters:08d}.pt")
-    assert path.is_file(), f"no checkpoint {path}"
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def assert_same_training(run, ref, config: str, world_sizes: tuple[int, int],
                          iters: int) -> None:
-    """Same logged losses, final parameters and Adam moments as `ref`, within the bounds
-    at the top of this file."""
-    got, want = losses(run), losses(ref)
-    assert want["train"] and len(got["train"]) == len(want["train"]), (got, want)
-    for key in want:
-        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
-    a = checkpoint(run, config, world_sizes[0], iters)
-    b = checkpoint(ref, config, world_sizes[1], iters)
-    assert a["model"].keys() == b["model"].keys()
-    diff = max((a["model"][k] - b["model"][k]).abs().max().item() for k in b["model"])
-    assert diff <= PARAM_ATOL, f"parameters differ by up to {diff:.3g}"
-    for name, state in b["optimizer"]["state"].items():
-        for moment in ("exp_avg", "exp_avg_sq"):
-            want_m, got_m = state[moment], a["optimizer"]["state"][name][moment]
-            scale = want_m.abs().max().item()
-            err = (got_m.float() - want_m.float()).abs().max().item()
-            assert err <= MOMENT_RTOL * scale, (name, moment, err, scale)
+    """Same logged losses, final parameters and Adam moments as `ref` (runs on GPUs), within
+    GPU_FP32 (helpers.assert_same_training)."""
+    helpers.assert_same_training(run, ref, *world_sizes, GPU_FP32, config=config, iters=iters,
+                                 kind="GPU")
 
 
 def peak_memory_gib(run, iters: int) -> float:

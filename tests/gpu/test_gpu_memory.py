@@ -23,7 +23,7 @@ from gpu_utils import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
 
-BUDGET_GIB = 37.0     # what the README promises per GPU (docs/gpu_selftest.md)
+BUDGET_GIB = 37.0     # what the README promises per GPU (README, "Before the first GPU run")
 A100_40GB_GIB = 39.0  # smaller GPUs cannot run the README's commands at all
 
 # (README command, script, arguments, GPUs on one node, iterations)

@@ -18,16 +18,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, child_env
 from gpu_utils import (
     FP32_ENV,
-    LOSS_RTOL,
+    GPU_FP32,
     TIMEOUT,
     gpu_run,
     losses,
     need_module,
     require_cuda,  # noqa: F401  (fixture used through pytestmark)
 )
+from helpers import REPO, child_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
 
@@ -112,7 +112,7 @@ def test_training_fed_by_dali_on_the_gpu_logs_the_pytorch_loaders_losses(tiny_da
                    tiny_data, tmp_path_factory.mktemp("dali"), env=FP32_ENV)
     got, want = losses(dali), losses(ref)
     for key in want:
-        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
+        assert got[key] == pytest.approx(want[key], rel=GPU_FP32.loss_rtol), (key, got, want)
 
 
 # ----------------------------------------------------------------- nsys

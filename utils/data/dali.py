@@ -45,6 +45,7 @@ import torch
 
 from utils.data.loader import ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.errors import ConfigError, DataError
+from utils.tile import Tile
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class PairSource:
         self.start = first_batch * sampler.batch_size
         self._epoch: int | None = None
         self._indices: list[int] = []
-        C, (H, W) = dataset.n_channels, dataset.img_size
+        C, (H, W) = dataset.n_channels, dataset.tile.shape
         self._zeros = np.zeros((C, H, W), dtype=np.float32)
 
     def epoch_indices(self, epoch: int) -> list[int]:
@@ -214,14 +215,16 @@ class DALILoader:
 
 
 def get_data_loader_dali(params: Any, location: str, train: bool, num_replicas: int = 1,
-                         rank: int = 0) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
+                         rank: int = 0, tile: Tile | None = None
+                         ) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
     """Returns (loader, dataset, sampler), like `utils.data.loader.get_data_loader`.
 
     `params.num_data_workers` worker processes read the files (0: the training process reads
     them itself); batches come out on the current CUDA device if there is one, else on the CPU.
+    With a `tile`, the workers read only its rows and columns (as the PyTorch loader does).
     """
     require_dali()
-    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank)
+    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank, tile)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:

@@ -6,12 +6,8 @@ schedule, loss scaler, iteration, data position (epoch, batches done in it), and
 rank its RNG states and its partial epoch loss, so an interrupted run continues exactly
 where it stopped: same batches, same losses, bitwise the same parameters (same layout).
 
-Files: <exp_dir>/checkpoints/ckpt_<iters:08d>.pt, the newest is the one `--resume` (auto)
-takes. A save writes `<name>.tmp.<pid>`, fsyncs it and renames it over `<name>`: a crash or
-kill mid-save leaves every earlier file intact (only the stray .tmp file, removed by the
-next save). Parameters that are NaN/inf are never saved. A run that starts afresh, or
-resumes from an older checkpoint, in a directory holding later checkpoints moves those to
-checkpoints/superseded-<time>/ first, so that only its own files are kept and resumed.
+The files (ckpt_<iters:08d>.pt, atomic saves, keep-K, integrity, which one `--resume`
+takes) are utils/run/checkpoint_files.py. Parameters that are NaN/inf are never saved.
 
 Checkpoints are loaded with `torch.load(weights_only=True)`: tensors and plain Python
 containers only, so a checkpoint file cannot run code when it is loaded.
@@ -19,13 +15,9 @@ containers only, so a checkpoint file cannot run code when it is loaded.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import random
-import re
-import time
-import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +28,19 @@ import torch.distributed as dist
 from utils import comm
 from utils.errors import CheckpointError, DivergedError
 from utils.model_wrappers import unwrap
+from utils.run.checkpoint_files import (  # noqa: F401 - also this module's API
+    checkpoint_dir,
+    checkpoint_iteration,
+    damage,
+    latest_checkpoint,
+    list_checkpoints,
+    newest_intact_checkpoint,
+    prune,
+    resolve_resume,
+    save_atomic,
+    set_aside_newer,
+)
+from utils.run.disk import free_bytes, human_bytes
 from utils.run.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -43,75 +48,10 @@ log = logging.getLogger(__name__)
 FORMAT = "era5-vit-checkpoint"
 VERSION = 1
 # Config keys that must match for the saved tensors to fit the model.
-MODEL_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
-              "n_in_channels", "n_out_channels")
+MODEL_KEYS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_heads",
+              "num_blocks", "mlp_ratio", "n_in_channels", "n_out_channels")
 REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
             "epoch_step", "rng")
-
-
-def checkpoint_dir(exp_dir: str) -> str:
-    return os.path.join(exp_dir, "checkpoints")
-
-
-def list_checkpoints(exp_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first (temporary files are never listed)."""
-    return sorted(glob.glob(os.path.join(checkpoint_dir(exp_dir), "ckpt_*.pt")))
-
-
-def latest_checkpoint(exp_dir: str) -> str | None:
-    files = list_checkpoints(exp_dir)
-    return files[-1] if files else None
-
-
-def checkpoint_iteration(path: str) -> int:
-    m = re.search(r"ckpt_(\d+)\.pt$", path)
-    return int(m.group(1)) if m else -1
-
-
-def set_aside_newer(exp_dir: str, iters: int) -> str | None:
-    """Move this run directory's checkpoints beyond iteration `iters` into
-    checkpoints/superseded-<time>/ (nothing is deleted); returns that directory.
-
-    They belong to a timeline the starting run abandons: an earlier run in the same
-    directory (a fresh start) or the part after an older checkpoint it resumes from. Left in
-    place, keep-K would delete the new run's files in their favour (names sort by iteration)
-    and `--resume` (auto) would pick them up after the next interruption.
-    """
-    newer = [f for f in list_checkpoints(exp_dir) if checkpoint_iteration(f) > iters]
-    if not newer:
-        return None
-    target = os.path.join(checkpoint_dir(exp_dir),
-                          "superseded-" + time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(target, exist_ok=True)
-    for f in newer:
-        os.replace(f, os.path.join(target, os.path.basename(f)))
-    log.warning(f"Moved {len(newer)} checkpoint(s) after iteration {iters} of an earlier run "
-                f"to {target}")
-    return target
-
-
-def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> str | None:
-    """The checkpoint to start from: `--resume PATH`, `--resume` / `--resume auto` (the
-    newest in the run directory; none there -> start from scratch, with a log line), or None.
-
-    With `--requeue`, a run that SLURM restarted (SLURM_RESTART_COUNT > 0) resumes as if
-    `--resume auto` had been given. Rank 0 decides and tells the others, so that every rank
-    loads the same file even if a save lands while they look.
-    """
-    choice = None
-    if comm.get_world_rank() == 0:
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        if resume is None and requeue and restarts > 0:
-            log.info(f"SLURM restart {restarts} of a --requeue job: resuming")
-            resume = "auto"
-        if resume == "auto":
-            choice = latest_checkpoint(exp_dir)
-            if choice is None:
-                log.info(f"--resume: no checkpoint in {checkpoint_dir(exp_dir)}, "
-                         "starting from scratch")
-        else:
-            choice = resume
-    return comm.broadcast_from_rank0(choice)
 
 
 # ------------------------------------------------------------------ RNG states
@@ -204,54 +144,17 @@ def _to_local(to_local: Callable, name: str, tensor: torch.Tensor, path: str,
                               f"fit this model ({str(e).splitlines()[0]})") from None
 
 
-# ------------------------------------------------------------------ files
-def save_atomic(obj: dict[str, Any], path: str) -> None:
-    """Write `obj` to `path` so that `path` is either the old file or the complete new one."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:  # make the rename itself durable (a power cut right after must not lose it)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some file systems cannot fsync a directory; the rename still happened
-        pass
-
-
-def prune(exp_dir: str, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; remove temporary files of interrupted saves."""
-    for old in list_checkpoints(exp_dir)[:-keep] if keep > 0 else []:
-        os.remove(old)
-    for stray in glob.glob(os.path.join(checkpoint_dir(exp_dir), "ckpt_*.pt.tmp*")):
-        if not stray.endswith(f".tmp.{os.getpid()}"):
-            log.info(f"Removing {stray}, left by an interrupted save")
-            os.remove(stray)
-
-
-def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
-    """Load and check a checkpoint; any problem is a one-line CheckpointError."""
+# ------------------------------------------------------------------ reading
+def read_checkpoint(path: str, params: Any | None) -> dict[str, Any]:
+    """Load and check a checkpoint; any problem is a one-line CheckpointError.
+    `params` None: no config to check against (the caller takes the checkpoint's own)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} is not a file")
-    # torch.save writes a zip archive whose directory is at the end of the file: a truncated
-    # file, an empty one or random bytes are not a readable zip.
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"checkpoint {path} is unreadable: not a complete torch.save "
-                              f"file ({os.path.getsize(path)} bytes; truncated, or not a "
-                              "checkpoint)")
+    problem = damage(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {problem}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged archive, or objects other than tensors/plain values
@@ -268,7 +171,7 @@ def read_checkpoint(path: str, params: Any) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is incomplete: no {', '.join(missing)}")
-    for key in MODEL_KEYS:
+    for key in MODEL_KEYS if params is not None else ():
         saved, now = ckpt["config"].get(key), params.get(key)
         if saved is not None and list(np.atleast_1d(saved)) != list(np.atleast_1d(now)):
             raise CheckpointError(f"{path} was saved with {key}={saved}, "
@@ -304,6 +207,27 @@ class Checkpointer:
         of this directory beyond that point are set aside (see `set_aside_newer`)."""
         if comm.get_world_rank() == 0:
             set_aside_newer(self.exp_dir, iters)
+
+    def check_room(self) -> None:
+        """Stop now, not at the first checkpoint hours later, if the disk cannot hold
+        `checkpoint_keep` checkpoints plus the one being written (collective; rank 0
+        looks). The size is this rank's parameters and Adam's two moments in fp32: a lower
+        bound when the model is sharded."""
+        error = None
+        if comm.get_world_rank() == 0:
+            directory = checkpoint_dir(self.exp_dir)
+            each = 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+            files = max(self.keep + 1 - len(list_checkpoints(self.exp_dir)), 1)
+            free = free_bytes(directory)
+            if free < files * each:
+                error = (f"not enough room for checkpoints in {directory}: "
+                         f"{human_bytes(free)} free, {files} more checkpoint(s) of about "
+                         f"{human_bytes(each)} need {human_bytes(files * each)} "
+                         f"(checkpoint_keep {self.keep}, plus one being written): free "
+                         "space there, set LOG_DIR to another disk, or lower checkpoint_keep")
+        error = comm.broadcast_from_rank0(error)
+        if error:
+            raise CheckpointError(error, every_rank=True)
 
     def _device(self) -> torch.device:
         return next(unwrap(self.model).parameters()).device
@@ -359,7 +283,7 @@ class Checkpointer:
         error = comm.broadcast_from_rank0(error)
         if error:
             comm.settle()  # every rank raises now and exits
-            raise CheckpointError(error)
+            raise CheckpointError(error, every_rank=True)
         self.last_saved = path
         return path if rank == 0 else None
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from utils import comm
-from utils.errors import EXIT_PREEMPTED, DivergedError
+from utils.errors import EXIT_PREEMPTED, DataError, DivergedError
 from utils.run.preemption import StopSignal, requeue_slurm_job
+
+if TYPE_CHECKING:
+    from utils.data.checks import BatchScan
 
 log = logging.getLogger(__name__)
 
@@ -44,32 +48,58 @@ class NonFiniteLoss:
     def due(self, iteration: int) -> bool:
         return self.device.type != "cuda" or iteration % self.GPU_CHECK_EVERY == 0
 
-    def check(self, last_checkpoint: str | None = None) -> None:
+    def first_bad_iteration(self) -> int | None:
+        """The first iteration whose loss was NaN/inf on any rank (collective), or None."""
         never = torch.iinfo(torch.int64).max
         first = torch.where(self.first < 0, never, self.first)
         if comm.is_distributed():
             torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
         iteration = int(first.item())
-        if iteration != never:
-            comm.settle()  # every rank raises now and exits
-            raise DivergedError(
-                f"training loss is NaN/inf at iteration {iteration}: stopped without saving; "
-                f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept "
-                "(lower the lr, or use bf16 instead of fp16)")
+        return None if iteration == never else iteration
+
+    def check(self, last_checkpoint: str | None = None,
+              culprit: Callable[[int], tuple[str | None, float | None]] | None = None
+              ) -> None:
+        """Raise on every rank if any rank saw a NaN/inf loss. `culprit(iteration)`
+        (collective) reads that iteration's batch again: (its first non-finite value,
+        described, or None; the batch's largest |normalised value|, None if unknown)."""
+        iteration = self.first_bad_iteration()
+        if iteration is None:
+            return
+        found, largest = culprit(iteration) if culprit is not None else (None, None)
+        comm.settle()  # every rank raises now and exits
+        kept = f"the last checkpoint, {last_checkpoint or '(none yet)'}, is kept"
+        if found:  # bad data, not a diverging model: the lr is not the cause
+            raise DataError(f"{found}: the training loss is NaN/inf at iteration {iteration}; "
+                            f"stopped without saving ({kept}); fix or replace that sample, "
+                            "a resumed run would read it again", every_rank=True)
+        finite = "" if largest is None else \
+            f"; its batch's data are finite (largest |normalised value| {largest:.3g})"
+        raise DivergedError(f"training loss is NaN/inf at iteration {iteration}: stopped "
+                            f"without saving; {kept}{finite}: lower the lr, or use bf16 "
+                            "instead of fp16")
 
 
 class RunGuard:
-    """Stop signal, NaN check, checkpoint interval, requeue and exit, after each step."""
+    """Stop signal, NaN check, checkpoint interval, requeue and exit, after each step.
 
-    def __init__(self, params: Any, device: torch.device, ckpt: Any, stop: StopSignal):
+    `scan` (utils.data.checks.BatchScan over this rank's training data) names the sample
+    behind a NaN/inf loss; the guard keeps (epoch, batch) of the steps since its last check
+    (one on CPU, up to NonFiniteLoss.GPU_CHECK_EVERY on a GPU) to tell it which batch."""
+
+    def __init__(self, params: Any, device: torch.device, ckpt: Any, stop: StopSignal,
+                 scan: BatchScan | None = None):
         self.params, self.device, self.ckpt, self.stop = params, device, ckpt, stop
         self.interval = int(params.checkpoint_interval or 0)
         self.nonfinite = NonFiniteLoss(device)
+        self.scan = scan
+        self.batches: dict[int, tuple[int, int]] = {}  # iteration -> (epoch, batch in it)
 
     def after_step(self, progress: Any, loss: torch.Tensor) -> None:
         """Called once per optimizer step with the loop's `Progress` and the step's loss."""
         iters = progress.iters
         self.nonfinite.record(loss, iters)  # on the device: no host sync here
+        self.batches[iters] = (progress.epoch, progress.epoch_step - 1)
         # Every rank agrees (one all-reduce; every 10th step on a GPU) whether any rank
         # got SIGUSR1/SIGTERM.
         stopping = self.stop.should_stop(self.device, iters)
@@ -86,5 +116,22 @@ class RunGuard:
             sys.exit(EXIT_PREEMPTED)
 
     def check_finite(self) -> None:
-        """Raise DivergedError (on every rank) if any rank saw a NaN/inf loss."""
-        self.nonfinite.check(self.ckpt.last_saved)
+        """Raise (on every rank) DataError naming the sample if a NaN/inf loss came from
+        non-finite data, DivergedError if the model diverged."""
+        self.nonfinite.check(self.ckpt.last_saved, self.culprit)
+        self.batches.clear()  # all finite so far
+
+    def culprit(self, iteration: int) -> tuple[str | None, float | None]:
+        """Collective: every rank reads its own batch of `iteration` again; the first rank's
+        finding with non-finite data wins, else the largest |value| over the ranks."""
+        where = self.batches.get(iteration)
+        mine: tuple[str | None, float | None] = (None, None)
+        if self.scan is not None and where is not None:
+            mine = self.scan.find(*where)
+        everyone = [mine]
+        if comm.is_distributed():
+            everyone = [None] * comm.get_world_size()
+            torch.distributed.all_gather_object(everyone, mine)
+        found = next((f for f, _ in everyone if f), None)
+        sizes = [v for _, v in everyone if v is not None]
+        return found, (max(sizes) if sizes else None)

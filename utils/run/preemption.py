@@ -31,14 +31,16 @@ Which signal reaches the training processes depends on the launcher:
                              SLURM signals every process of the step: PyTorch DataLoader
                              workers inherit the handler (and ignore the signal).
 
-The handler is installed when train() starts; a signal during start-up before that (imports,
-process groups, model) ends the process the default way, without a checkpoint; the earlier
-checkpoints are untouched.
+The train scripts catch both signals from their first line on (utils/run/signals.py): a
+signal during start-up (imports, process groups, model, data) ends the process at once with
+"stopped by SIGUSR1 before training started: nothing to save" and exit code 3; the earlier
+checkpoints are untouched. Only the interpreter's own start-up, before the script's first
+line, still dies of the signal (exit 138 for SIGUSR1, 143 for SIGTERM).
 
 Exit codes of the train scripts: 0 finished; 2 a user error (config, flags, data,
-checkpoint, NaN/inf loss: one `error: ...` line); 3 preempted, a checkpoint was written
-(rerun with `--resume`); anything else is a crash (a traceback; under torchrun, its summary
-names the rank that failed first).
+checkpoint, NaN/inf loss: one `error: ...` line); 3 stopped by a signal, a checkpoint was
+written (rerun with `--resume`), or nothing was to save yet; anything else is a crash (a
+traceback; under torchrun, its summary names the rank that failed first).
 """
 
 from __future__ import annotations
@@ -51,23 +53,24 @@ import subprocess
 import torch
 
 from utils import comm
+from utils.run import signals as stop_signals
 
 log = logging.getLogger(__name__)
 
 
-
 class StopSignal:
-    """Catches SIGUSR1/SIGTERM; `should_stop()` at each step boundary says whether to stop."""
+    """Catches SIGUSR1/SIGTERM; `should_stop()` at each step boundary says whether to stop.
+
+    Making one ends the start-up phase of utils/run/signals.py: from here on a signal is a
+    request to checkpoint, not to exit at once."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)):
-        self.received: int | None = None
-        for sig in signals:
-            signal.signal(sig, self._handler)
+        stop_signals.catch(signals)
+        stop_signals.end_startup()
 
-    def _handler(self, signum: int, frame: object) -> None:
-        # Only a flag: stopping here, mid-step or inside a collective, would leave the other
-        # ranks waiting. Logging from a signal handler is not safe either.
-        self.received = signum
+    @property
+    def received(self) -> int | None:
+        return stop_signals.received()
 
     # On a GPU the agreement costs a host sync, which would stall the queue of kernels the
     # GPU runs ahead of Python: ask only every few steps there (SLURM warns minutes early).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -43,10 +44,12 @@ class StepProfiler:
         self.trace_name = f"{os.path.basename(name)}_rank{rank}"
         self.active = False
         self._torch_prof = None
+        self._names: set[str] = set()  # the ranges opened in the window
 
     def range(self, name: str):
         if not self.active:
             return contextlib.nullcontext()
+        self._names.add(name)
         if self.use_nvtx:
             return torch.cuda.nvtx.range(name)
         return torch.profiler.record_function(name)
@@ -82,6 +85,27 @@ class StepProfiler:
         self._torch_prof = None
 
     def summary(self, rows: int = 12) -> str:
-        """The step's named ranges and the costliest operators, as a text table."""
+        """The step's named ranges, then the costliest operators, as text tables."""
+        events = self._torch_prof.key_averages()
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        return self._torch_prof.key_averages().table(sort_by=sort, row_limit=rows)
+        return range_table(events, self._names) + "\n\n" + events.table(sort_by=sort,
+                                                                       row_limit=rows)
+
+
+def range_table(events: Any, names: set[str]) -> str:
+    """Time per named range (inclusive: a range's operators count in it), the per-step
+    ranges `step N` summed into one row, as a share of the steps' time."""
+    rows: dict[str, list[float]] = {}  # name -> [calls, total microseconds]
+    for e in events:
+        if e.key not in names:
+            continue
+        name = "step (whole)" if re.fullmatch(r"step \d+", e.key) else e.key
+        row = rows.setdefault(name, [0, 0.0])
+        row[0] += e.count
+        row[1] += e.cpu_time_total
+    steps = rows.get("step (whole)", [0, 0.0])[1] or sum(r[1] for r in rows.values()) or 1.0
+    lines = [f"{'Range':<36}{'Calls':>7}{'Total ms':>12}{'ms/call':>10}{'% of step':>11}"]
+    for name, (calls, total) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{name:<36}{calls:>7}{total / 1e3:>12.1f}{total / 1e3 / calls:>10.2f}"
+                     f"{100 * total / steps:>10.1f}%")
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ from utils import comm
 from utils.allocator import keep_freed_memory
 from utils.errors import ConfigError
 from utils.launch_env import LaunchEnv
+from utils.run.disk import free_space
 from utils.run.logging_utils import config_logger, log_to_file
 
 log = logging.getLogger("train")
@@ -72,8 +73,9 @@ def setup_run(params: Any, env: LaunchEnv, device: torch.device) -> str:
             os.makedirs(exp_dir, exist_ok=True)
             log_to_file(os.path.join(exp_dir, "out.log"))
         except OSError as e:
-            error = f"cannot write the run directory {exp_dir} ({e.strerror or e}): " \
-                    "set LOG_DIR (or expdir in the config) to a writable directory"
+            error = f"cannot write the run directory {exp_dir} ({e.strerror or e}; " \
+                    f"{free_space(exp_dir)}): set LOG_DIR (or expdir in the config) to a " \
+                    "writable directory with free space"
     error = comm.broadcast_from_rank0(error)  # every rank stops with rank 0, none waits
     if error:
         comm.settle()  # the broadcast's last traces are gone before the ranks exit

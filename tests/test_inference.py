@@ -1,0 +1,181 @@
+"""inference.py end to end: a checkpoint of train.py / train_mp.py, rolled out and scored.
+
+The scores inference.py writes are checked against an independent computation: the test
+reads the initial conditions straight from the HDF5 file with h5py, normalises them with
+numpy, steps the checkpoint's serial model one sample at a time, and scores with plain
+Python loops (tests/test_forecast_skill.py's `reference_scores`). fp32 model and batch
+order differ (batches of 2 vs 1 here), so they agree to rtol 1e-4 (measured ~1e-6).
+
+A train_mp.py (tp = 2) checkpoint gives the same scores evaluated serially, with --tp 2,
+--cp 2 and with 2 data-parallel ranks: rtol 1e-5 (measured <= 1e-6: sums split over ranks
+and the model's matmuls split over tp change only the last bits).
+"""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from helpers import CONFIG_FILE, reference_scores, run_script
+
+from networks.vit import vit_from_params
+from utils.run.checkpoint import latest_checkpoint
+from utils.YParams import YParams
+
+ITERS = 8
+LEAD = 4
+N_ICS = 5
+CHECKED = ("u10", "t2m", "z500")
+OUTPUTS = ("skill.csv", "skill.json", "skill_vs_lead.png", "rollout_t2m.png", "inference.log")
+TIMEOUT = 240
+
+
+def train(script, tiny_data, tmp_path_factory, *flags, nproc=None):
+    run = run_script(script, ["--config=tiny", f"--num_iters={ITERS}", *flags],
+                     data_dir=tiny_data, log_dir=tmp_path_factory.mktemp("logs"), nproc=nproc,
+                     timeout=TIMEOUT)
+    assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
+def evaluate(run, *flags, nproc=None, out=None):
+    args = [f"--lead_steps={LEAD}", f"--n_initial_conditions={N_ICS}", "--batch_size=2",
+            *flags] + ([f"--out={out}"] if out else [])
+    result = run_script("inference.py", args, data_dir=run.data_dir, log_dir=run.log_dir,
+                        nproc=nproc, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def serial_run(tiny_data, tmp_path_factory):
+    return train("train.py", tiny_data, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def evaluated(serial_run):
+    """inference.py --config=tiny: finds the run under LOG_DIR, writes <run>/forecast/."""
+    result = evaluate(serial_run, "--config=tiny")
+    out = serial_run.exp_dir("tiny") / "forecast"
+    return result, out, json.loads((out / "skill.json").read_text())
+
+
+def independent_scores(skill_json, checkpoint, tiny_data):
+    """Model, persistence and climatology scores of the JSON's initial conditions, computed
+    without inference.py's code: (rmse, acc), each (3 forecasts, LEAD + 1, channels)."""
+    params = YParams(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
+    H, W = params.img_size
+    model = vit_from_params(params)
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    model.eval()
+    means = np.load(tiny_data / "stats" / "global_means.npy")[0].astype(np.float64)
+    stds = np.load(tiny_data / "stats" / "global_stds.npy")[0].astype(np.float64)
+    clim = np.load(tiny_data / "stats" / "time_means.npy")[0, :, :H, :W].astype(np.float64)
+    truths, forecasts = [], []
+    for ic in skill_json["initial_conditions"]:
+        with h5py.File(tiny_data / "test" / ic["file"], "r") as f:
+            raw = f["fields"][ic["index"]: ic["index"] + LEAD + 1, :, :H, :W].astype(np.float64)
+        x = torch.from_numpy(((raw[0] - means) / stds).astype(np.float32))[None]
+        steps = [raw[0]]
+        with torch.no_grad():
+            for _ in range(LEAD):
+                x = model(x)
+                steps.append(x[0].double().numpy() * stds + means)
+        truths.append(raw)
+        forecasts.append(np.stack(steps))
+    channels = list(skill_json["channels"])
+    pick = [channels.index(c) for c in CHECKED]
+    truth, forecast = np.stack(truths)[:, :, pick], np.stack(forecasts)[:, :, pick]
+    persistence = np.repeat(truth[:, :1], LEAD + 1, axis=1)
+    climatology = np.broadcast_to(clim[pick][None, None], truth.shape)
+    scores = [reference_scores(p, truth, clim[pick])
+              for p in (forecast, persistence, climatology)]
+    return np.stack([s[0] for s in scores]), np.stack([s[1] for s in scores])
+
+
+def from_json(skill_json, metric):
+    """(3 forecasts, leads, CHECKED channels) from skill.json."""
+    return np.stack([np.array([skill_json["channels"][c][metric][f] for c in CHECKED]).T
+                     for f in ("model", "persistence", "climatology")])
+
+
+@pytest.mark.e2e
+def test_inference_writes_every_output_and_the_table(evaluated):
+    result, out, skill = evaluated
+    for name in OUTPUTS:
+        assert (out / name).is_file(), name
+    for forecast in ("model", "persistence", "climatology"):
+        assert list((out / "tensorboard" / forecast).glob("events.out.tfevents.*")), forecast
+    assert skill["config"] == "tiny" and skill["iteration"] == ITERS
+    assert skill["lead_hours"] == [6 * k for k in range(LEAD + 1)]
+    assert len(skill["channels"]) == 20 and skill["n_initial_conditions"] == N_ICS
+    rows = (out / "skill.csv").read_text().splitlines()
+    assert len(rows) == 1 + 20 * (LEAD + 1)
+    for name in CHECKED:
+        assert f"| {name} lead | RMSE model |" in result.stdout
+        assert f"{name}: model RMSE above persistence" in result.stdout
+
+
+@pytest.mark.e2e
+def test_scores_agree_with_an_independent_computation(evaluated, serial_run, tiny_data):
+    _, _, skill = evaluated
+    checkpoint = latest_checkpoint(str(serial_run.exp_dir("tiny")))
+    rmse, acc = independent_scores(skill, checkpoint, tiny_data)
+    np.testing.assert_allclose(from_json(skill, "rmse"), rmse, rtol=1e-4)
+    np.testing.assert_allclose(from_json(skill, "acc"), acc, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.e2e
+def test_at_lead_0_model_and_persistence_are_the_truth(evaluated):
+    _, _, skill = evaluated
+    for name, scores in skill["channels"].items():
+        assert scores["rmse"]["model"][0] == 0.0 == scores["rmse"]["persistence"][0], name
+        assert scores["acc"]["model"][0] == pytest.approx(1.0, abs=1e-5), name
+        assert scores["rmse"]["climatology"][0] > 0, name
+        assert scores["acc"]["climatology"] == [0.0] * (LEAD + 1), name
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tiny_data, tmp_path_factory):
+    return train("train_mp.py", tiny_data, tmp_path_factory, "--tp=2", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def tp2_serial(tp2_run, tmp_path_factory):
+    """The tp = 2 checkpoint evaluated on one process, with the config saved in the run."""
+    out = tmp_path_factory.mktemp("serial")
+    evaluate(tp2_run, f"--run_dir={tp2_run.exp_dir('tiny', world_size=2)}", out=out)
+    return json.loads((out / "skill.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [["--tp=2"], ["--cp=2"], []], ids=["tp2", "cp2", "dp2"])
+def test_a_tp2_checkpoint_scores_the_same_serially_and_in_parallel(tp2_run, tp2_serial,
+                                                                   layout, tmp_path):
+    run_dir = tp2_run.exp_dir("tiny", world_size=2)
+    evaluate(tp2_run, f"--run_dir={run_dir}", *layout, nproc=2, out=tmp_path)
+    parallel, serial = json.loads((tmp_path / "skill.json").read_text()), tp2_serial
+    tp, cp = (2 if f"--{g}=2" in layout else 1 for g in ("tp", "cp"))
+    assert serial["layout"] == {"tp": 1, "cp": 1, "dp": 1}
+    assert parallel["layout"] == {"tp": tp, "cp": cp, "dp": 2 // (tp * cp)}
+    assert parallel["initial_conditions"] == serial["initial_conditions"]
+    for name in serial["channels"]:
+        for metric in ("rmse", "acc"):
+            for forecast in ("model", "persistence", "climatology"):
+                np.testing.assert_allclose(parallel["channels"][name][metric][forecast],
+                                           serial["channels"][name][metric][forecast],
+                                           rtol=1e-5, atol=1e-7, err_msg=f"{name} {metric}")
+
+
+@pytest.mark.e2e
+def test_a_user_error_ends_the_script_with_one_line_and_exit_code_2(serial_run, tmp_path):
+    result = run_script("inference.py", [f"--checkpoint={tmp_path}/ckpt.pt"],
+                        data_dir=serial_run.data_dir, log_dir=serial_run.log_dir,
+                        timeout=TIMEOUT)
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint {tmp_path}/ckpt.pt not found"]

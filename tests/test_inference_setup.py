@@ -1,0 +1,115 @@
+"""inference.py before the rollout: which checkpoint, which config, which model, and the
+one-line errors for everything a user can get wrong. In-process, on a real checkpoint that
+`Checkpointer` writes for the untrained tiny model, and the tiny HDF5 data set."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import inference
+from networks.vit import vit_from_params
+from utils.errors import CheckpointError, ConfigError, DataError
+from utils.precision import grad_scaler
+from utils.run.checkpoint import Checkpointer, read_checkpoint
+from utils.run.progress import Progress
+from utils.training import build_optimizer, build_scheduler
+
+
+@pytest.fixture
+def run_dir(tiny_params, tiny_data, tmp_path, monkeypatch):
+    """<LOG_DIR>/tiny/1CPU/00 with ckpt_00000000.pt; DATA_DIR and LOG_DIR set as for a run."""
+    monkeypatch.setenv("DATA_DIR", str(tiny_data))
+    monkeypatch.setenv("LOG_DIR", str(tmp_path / "logs"))
+    exp_dir = tmp_path / "logs" / "tiny" / "1CPU" / "00"
+    tiny_params["tp"] = 2  # as a train_mp.py run would have saved it
+    model = vit_from_params(tiny_params)
+    optimizer = build_optimizer(tiny_params, model)
+    Checkpointer(str(exp_dir), tiny_params, model, optimizer,
+                 build_scheduler(tiny_params, optimizer),
+                 grad_scaler(tiny_params, torch.device("cpu"))).save(Progress())
+    return exp_dir
+
+
+def args(*flags: str):
+    return inference.build_parser().parse_args(list(flags))
+
+
+def test_the_configs_run_is_found_under_log_dir(run_dir):
+    assert inference.locate_checkpoint(args("--config=tiny")) == \
+        str(run_dir / "checkpoints" / "ckpt_00000000.pt")
+    assert inference.run_directory(inference.locate_checkpoint(args("--config=tiny"))) == \
+        str(run_dir)
+
+
+def test_two_runs_of_the_config_need_run_dir(run_dir):
+    shutil.copytree(run_dir, run_dir.parent.parent / "2CPU" / "00")
+    with pytest.raises(ConfigError, match="2 runs of tiny: .*; choose one with --run_dir"):
+        inference.locate_checkpoint(args("--config=tiny"))
+
+
+def test_a_config_never_trained_is_a_checkpoint_error(run_dir):
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .*/tiny/\*/07/checkpoints"):
+        inference.locate_checkpoint(args("--config=tiny", "--run_num=07"))
+
+
+def test_no_model_named_is_a_config_error():
+    with pytest.raises(ConfigError, match="give --run_dir RUN_DIR, --checkpoint FILE or"):
+        inference.locate_checkpoint(args())
+
+
+def test_a_run_dir_without_checkpoints_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/checkpoints"):
+        inference.locate_checkpoint(args(f"--run_dir={tmp_path}"))
+
+
+def test_the_saved_config_is_relocated_by_data_dir_and_evaluated_serially(run_dir, tiny_data):
+    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    flagged, _ = inference.load_config(args("--tp=2", "--amp_mode=bf16"), path)
+    assert (flagged.tp, flagged.amp_mode) == (2, "bf16")
+    params, ckpt = inference.load_config(args(f"--run_dir={run_dir}"), path)
+    assert params.config == "tiny" and params.inf_data_path == f"{tiny_data}/test"
+    assert (params.tp, params.cp, params.amp_mode) == (1, 1, "none")  # saved tp 2: not used
+    model = inference.load_model(params, ckpt, path, torch.device("cpu"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ckpt["model"][name]), name
+    assert not model.training
+
+
+def test_a_config_that_does_not_fit_the_checkpoint_is_refused(run_dir):
+    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    with pytest.raises(CheckpointError, match="was saved with img_size=.16, 32., the config "
+                                              "has img_size=.64, 128."):
+        inference.load_config(args("--config=cpu_short"), path)
+
+
+def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):
+    path = str(run_dir / "checkpoints" / "ckpt_00000000.pt")
+    ckpt = read_checkpoint(path, None)
+    del ckpt["model"]["head.weight"]
+    tiny_params["tp"] = 1
+    with pytest.raises(CheckpointError, match=r"does not fit the model: missing \['head.weight'"):
+        inference.load_model(tiny_params, ckpt, path, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flags, error, message", [
+    (["--lead_steps=30"], DataError, "30-step rollout needs 31 consecutive samples"),
+    (["--n_initial_conditions=21", "--lead_steps=4"], DataError,
+     "--n_initial_conditions 21: .* has 20 initial conditions with room for 4 steps"),
+    (["--channels", "t850", "q700"], ConfigError, "unknown channel q700; the data has u10,"),
+    (["--map_channel=sst"], ConfigError, "unknown channel sst"),
+    (["--tp=3"], ConfigError, "num_heads 4 is not divisible by --tp 3"),
+    (["--lead_steps=0"], ConfigError, "--lead_steps must be a positive integer, got 0"),
+])
+def test_bad_flags_are_one_line_errors_before_any_process_starts(run_dir, flags, error,
+                                                                 message):
+    with pytest.raises(error, match=message):
+        inference.main([f"--run_dir={run_dir}", *flags])
+
+
+def test_missing_test_data_names_the_directory(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DATA_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match=f"data directory {tmp_path}/nowhere/test does not"):
+        inference.main([f"--run_dir={run_dir}"])

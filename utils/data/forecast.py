@@ -1,0 +1,111 @@
+"""Initial conditions and verifying truth for rollouts, read from the test split.
+
+A rollout of L steps from sample i of a year file needs samples i, i + dt, ..., i + L*dt of
+that file: one HDF5 hyperslab read per initial condition, cropped to `img_size` and
+normalised with the global means and stds exactly like the training loader
+(utils.data_loader.ERA5Dataset, which also checks the files and statistics here).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from utils.data.loader import ERA5Dataset
+from utils.data.synthetic import CHANNEL_NAMES
+from utils.errors import DataError
+
+HOURS_PER_SAMPLE = 6
+# Initial conditions when --n_initial_conditions is not given (fewer if the test split has
+# fewer): on the synthetic test year (128 samples) the scores of 32 evenly spaced ones are
+# within a few percent of those of all of them (docs/evaluating.md).
+DEFAULT_INITIAL_CONDITIONS = 32
+
+
+@dataclass(frozen=True)
+class InitialCondition:
+    file: str   # path of the year file
+    index: int  # sample index within it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": os.path.basename(self.file), "index": self.index}
+
+
+class RolloutData:
+    """The test split, read as windows x_0 .. x_L of consecutive samples."""
+
+    def __init__(self, params: Any, location: str):
+        self.location = location
+        data = ERA5Dataset(params, location, train=False)  # one-line DataError if anything is off
+        self.files, self.dt, self.img_size = data.files, data.dt, data.img_size
+        self.lengths = [n + self.dt for n in data.samples_per_file]  # samples per file
+        self.means, self.stds = data.means, data.stds  # (C, 1, 1)
+        self._fields: dict[str, h5py.Dataset] = {}
+
+    def channel_names(self) -> list[str]:
+        """From the files' `channel_names` attribute (the synthetic data writes it), else
+        the ERA5 order of the tutorial."""
+        C = len(self.means)
+        with h5py.File(self.files[0], "r") as f:
+            names = [n.decode() if isinstance(n, bytes) else str(n)
+                     for n in f["fields"].attrs.get("channel_names", [])]
+        if len(names) >= C:
+            return names[:C]
+        return [CHANNEL_NAMES[c] if c < len(CHANNEL_NAMES) else f"ch{c}" for c in range(C)]
+
+    def lead_hours(self, lead_steps: int) -> list[int]:
+        return [k * self.dt * HOURS_PER_SAMPLE for k in range(lead_steps + 1)]
+
+    def candidates(self, lead_steps: int) -> list[InitialCondition]:
+        """Every sample whose rollout of `lead_steps` stays inside its year file."""
+        span = lead_steps * self.dt
+        return [InitialCondition(f, i) for f, n in zip(self.files, self.lengths, strict=True)
+                for i in range(max(n - span, 0))]
+
+    def pick(self, n: int | None, lead_steps: int) -> list[InitialCondition]:
+        """`n` initial conditions spread evenly over the split (in time order); None: the
+        default number, or all there are if fewer."""
+        if lead_steps < 1:
+            raise DataError(f"--lead_steps must be at least 1, got {lead_steps}")
+        allowed = self.candidates(lead_steps)
+        if not allowed:
+            raise DataError(f"{self.location}: a {lead_steps}-step rollout needs "
+                            f"{lead_steps * self.dt + 1} consecutive samples in one year file, "
+                            f"the longest has {max(self.lengths)}; lower --lead_steps")
+        if n is None:
+            n = min(DEFAULT_INITIAL_CONDITIONS, len(allowed))
+        if not 1 <= n <= len(allowed):
+            raise DataError(f"--n_initial_conditions {n}: {self.location} has "
+                            f"{len(allowed)} initial conditions with room for {lead_steps} "
+                            f"steps (choose 1..{len(allowed)}, or lower --lead_steps)")
+        # Evenly spaced positions; the spacing is >= 1, so rounding keeps them distinct.
+        positions = np.floor(np.linspace(0, len(allowed) - 1, n) + 0.5).astype(int)
+        return [allowed[p] for p in positions]
+
+    def _dataset(self, path: str) -> h5py.Dataset:
+        if path not in self._fields:
+            self._fields[path] = h5py.File(path, "r")["fields"]
+        return self._fields[path]
+
+    def read(self, ics: list[InitialCondition], lead_steps: int) -> torch.Tensor:
+        """(B, L+1, C, H, W) normalised fields at leads 0..L of each initial condition."""
+        H, W = self.img_size
+        span = lead_steps * self.dt
+        windows = []
+        for ic in ics:
+            # One hyperslab: rows i, i+dt, ..., i+span; the first H x W grid points.
+            x = self._dataset(ic.file)[ic.index: ic.index + span + 1: self.dt, :, :H, :W]
+            x -= self.means
+            x /= self.stds
+            windows.append(torch.from_numpy(x))
+        return torch.stack(windows)
+
+    def close(self) -> None:
+        for ds in self._fields.values():
+            ds.file.close()
+        self._fields.clear()

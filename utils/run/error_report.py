@@ -1,0 +1,136 @@
+"""One `error:` line per job, not one per rank.
+
+A job of N processes that fails on a user error should say so once, from the rank that
+failed first, and not N times with the lines running into each other. The ranks agree
+through the job's key-value store (the TCPStore that torch.distributed's rendezvous made,
+hosted by torchrun's agent or by rank 0), not through a collective: a rank that fails is
+out of step with the others, which may be waiting in another collective, and two
+mismatched collectives would hang or mix up their data.
+
+  - An error every rank raises alike (`UserError.every_rank`: a config error, or one the
+    ranks agreed on by a collective) is printed by rank 0. Another rank waits a moment for
+    rank 0's claim, and prints it itself only if none comes while the store answers.
+  - Any other user error is printed by the first rank to claim the store's key, as
+    `error: rank k: ...`; the others stay silent.
+  - A rank that then fails because its peer has gone (a collective on a closed connection)
+    sees that a peer has reported and exits quietly instead of printing a traceback.
+  - No store (before the process group exists, or its host has exited): the rank prints.
+    Before the process group exists the ranks have read the same config and flags, so an
+    `every_rank` error is left to rank 0.
+  - The silent ranks leave `LINGER` seconds after the one that printed: launchers report the
+    first process to exit as the root cause.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from utils import comm
+from utils.errors import UserError, message_of
+from utils.launch_env import resolve_launch_env
+
+KEY = "user_error_reported_by_rank"
+STORE_TIMEOUT = timedelta(seconds=10)
+WAIT_FOR_RANK0 = 5.0  # seconds a rank waits for rank 0 to claim an every-rank error
+LINGER = 3.0  # seconds a quiet rank waits before it exits
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if comm.is_distributed():
+        return comm.get_world_rank(), comm.get_world_size()
+    try:  # before the process group exists: what the launcher says
+        env = resolve_launch_env()
+    except UserError:
+        return 0, 1
+    return env.rank, env.world_size
+
+
+def _store() -> dist.Store | None:
+    """The job's key-value store, or None when there is none (yet) or it is unusable."""
+    if not comm.is_distributed():
+        return None
+    try:
+        # The default group's store: torch has no public accessor for it.
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(STORE_TIMEOUT)
+        return store
+    except Exception:  # noqa: BLE001 - no store is an answer, not a failure
+        return None
+
+
+def _claim(store: dist.Store, rank: int) -> int | None:
+    """The first rank to claim the report (this one, if nobody had); None on no answer."""
+    try:
+        return int(store.compare_set(KEY, "", str(rank)))
+    except Exception:  # noqa: BLE001 - the store's host is gone
+        return None
+
+
+def _claimed(store: dist.Store) -> bool | None:
+    """Whether some rank has claimed the report; None when the store does not answer."""
+    try:
+        return store.check([KEY])
+    except Exception:  # noqa: BLE001 - the store's host is gone
+        return None
+
+
+def should_print(error: UserError) -> bool:
+    """Whether this rank prints `error` (exactly one rank of a job does)."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return True
+    store = _store()
+    if error.every_rank:
+        if rank == 0:
+            if store is not None:
+                _claim(store, 0)
+            return True
+        if store is None:
+            return False  # before the process group: rank 0 read the same config
+        deadline = time.monotonic() + WAIT_FOR_RANK0
+        while time.monotonic() < deadline:
+            if _claimed(store) is not False:  # claimed, or rank 0 (the store's host) has
+                return False                  # already printed and left
+            time.sleep(0.05)
+        return True  # rank 0 said nothing: better this rank than none
+    if store is None:
+        return True
+    first = _claim(store, rank)
+    return first is None or first == rank
+
+
+def error_line(error: UserError) -> str:
+    """`error: <message>`; a rank-local error in a job of several ranks names the rank."""
+    rank, world = _rank_and_world()
+    who = f"rank {rank}: " if world > 1 and not error.every_rank else ""
+    return f"error: {who}{message_of(error)}"
+
+
+def report(error: UserError) -> bool:
+    """Print `error`'s one line on stderr if this rank is the one to print it (True)."""
+    if not should_print(error):
+        return False
+    print(error_line(error), file=sys.stderr, flush=True)
+    return True
+
+
+def linger(seconds: float = LINGER) -> None:
+    """A rank that stays quiet leaves after the one that printed: launchers name the first
+    process to exit as the failure's root cause (torchrun's summary, srun's message)."""
+    time.sleep(seconds)
+
+
+def reported_by_another_rank() -> bool:
+    """Whether another rank of this job has already reported a user error: then this rank's
+    own failure (e.g. a collective whose peer has exited) is a consequence, not news."""
+    store = _store()
+    if store is None or not _claimed(store):  # no store, no claim, or no answer
+        return False
+    try:
+        return int(store.get(KEY)) != comm.get_world_rank()
+    except Exception:  # noqa: BLE001
+        return False
