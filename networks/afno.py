@@ -154,7 +154,7 @@ class AFNONet(nn.Module):
             raise ValueError(f"input tile {tuple(x.shape[-2:])} != {(h * p, w * p)}: "
                              f"{h} x {w} tokens of patch {p} on this rank")
         # channels last, contiguous once: every later layer acts on the last dim
-        x = patch_conv(self.patch_embed, x)  # fp32 on CPU: see utils.precision.patch_conv
+        x = patch_conv(self.patch_embed, x)  # a bf16 GEMM under CPU autocast: utils.precision
         x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
         for block in self.blocks:
             x = block(x)

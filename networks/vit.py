@@ -27,7 +27,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = patch_conv(self.proj, x)  # fp32 on CPU: see utils.precision.patch_conv
+        x = patch_conv(self.proj, x)  # a bf16 GEMM under CPU autocast: utils.precision
         # (B, N, D). Made contiguous once here: a transposed token stream would stay
         # transposed through every residual add and make each LayerNorm (forward and
         # backward) copy its input, ~3% of a CPU step.

@@ -3,7 +3,7 @@
 Regression test for a oneDNN AMX bf16 convolution that returns wrong outputs for the patch
 embedding's shape (kernel = stride = 8, 20 input channels) with torch 2.13 on Sapphire
 Rapids CPUs: relative error ~1.3 instead of ~3e-3. networks/vit.py runs that convolution in
-fp32 under CPU autocast. On CPUs without AMX the test passes either way.
+as a bf16 matmul under CPU autocast. On CPUs without AMX the test passes either way.
 """
 
 from __future__ import annotations
