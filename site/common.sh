@@ -15,8 +15,8 @@
 # when nsys exists where the task runs (<name>_rank<RANK> with several tasks), and exports
 # PROFILE_WITH_NSYS=1 so that the training script (utils/run/profiling.py) opens and closes the
 # capture range with torch.cuda.profiler.start()/stop() around its profiled epoch. Without
-# nsys the run is not wrapped; the task gets TORCH_PROFILER_OUTPUT=$LOG_DIR instead, the
-# directory where the training script writes its torch.profiler traces (<name>_rank<RANK>.*).
+# nsys the run is not wrapped, and the training script writes a torch.profiler trace into
+# its run directory: <run dir>/profile/<name>_rank<RANK>.<ms>.pt.trace.json.
 # The details, and why, are in site/task.sh.
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

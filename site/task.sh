@@ -25,8 +25,8 @@
 # refuses otherwise); --cuda-graph-trace=node, for the CUDA-graph script (its name contains
 # "graphs", or ENABLE_CUDA_GRAPHS=1), traces each kernel of a graph replay instead of one
 # opaque block per replay. PROFILE_WITH_NSYS=1 tells the training script to open and close
-# the capture range (utils/profiling.py). Without nsys the task gets
-# TORCH_PROFILER_OUTPUT=$LOG_DIR, where the training script writes torch.profiler traces.
+# the capture range (utils/run/profiling.py). Without nsys the task runs bare and the training
+# script writes a torch.profiler trace into its run directory (<run dir>/profile/).
 
 _task_sorted() {  # "3, 2,1,0" -> "0,1,2,3"
     tr ',' '\n' <<<"$1" | tr -d ' ' | sed '/^$/d' | sort -n | paste -sd, -
@@ -61,10 +61,9 @@ _task_uses_cuda_graphs() {
 task_command() {
     TASK_CMD=("$PYTHON" "$@")
     case "${ENABLE_PROFILING:-0}" in ""|0|false|False) return 0 ;; esac
-    if ! command -v nsys >/dev/null 2>&1; then
-        export TORCH_PROFILER_OUTPUT="$LOG_DIR"   # trace directory used by the training script
-        return 0
-    fi
+    # Without nsys the training script writes a torch.profiler trace into its own run
+    # directory (<run dir>/profile/), as it does outside SLURM: nothing to set here.
+    command -v nsys >/dev/null 2>&1 || return 0
     local out="$LOG_DIR/${PROFILE_OUTPUT:-profile}"
     if [ "${WORLD_SIZE:-1}" -gt 1 ]; then out="${out}_rank${RANK:-0}"; fi
     local args=(profile -f true -o "$out" --trace=cuda,nvtx,osrt -c cudaProfilerApi

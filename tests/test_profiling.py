@@ -4,6 +4,8 @@ range names the GPU path gives Nsight Systems through NVTX."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -17,10 +19,17 @@ def test_profiled_tiny_run_writes_a_trace_with_the_step_ranges(run_train):
                     env_extra={"ENABLE_PROFILING": "1", "PROFILE_OUTPUT": "tinyprof",
                                "PROFILE_EPOCH": "1"})
     assert run.returncode == 0, run.output
-    assert "torch.profiler trace written to" in run.output
     traces = list((run.exp_dir("tiny") / "profile").glob("tinyprof_rank0*.pt.trace.json"))
     assert len(traces) == 1, traces
-    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    # The log names the file itself, so a user can paste it into the viewer.
+    logged = re.search(r"torch.profiler trace written to (\S+) \(open it in", run.output)
+    assert logged and Path(logged.group(1)) == traces[0], run.output[-2000:]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    # Chrome trace event format, what Perfetto and chrome://tracing read: complete events
+    # ("ph": "X") with a start and a duration in microseconds.
+    ranges = [e for e in events if e.get("name") in RANGES]
+    assert ranges and all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] > 0 for e in ranges)
+    names = {e.get("name") for e in events}
     for name in RANGES:
         assert name in names, f"range '{name}' missing from the trace"
     assert sum(1 for n in names if n and n.startswith("step ")) == 8  # one range per step

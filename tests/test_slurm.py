@@ -346,7 +346,7 @@ def test_two_node_model_parallel_layout(workdir):
         assert s["argv"] == args
         assert s["WORLD_SIZE"] == "4"
         assert (int(s["SLURM_NODEID"]), int(s["LOCAL_RANK"])) == divmod(rank, 2)
-        assert s["TORCH_PROFILER_OUTPUT"] == str(workdir / "logs") or shutil.which("nsys")
+        assert s["TORCH_PROFILER_OUTPUT"] is None or shutil.which("nsys")  # trace: run dir
     assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
     assert by_rank[0]["MASTER_ADDR"] == "node1"  # the first host of the job's node list
 

@@ -3,7 +3,10 @@
 GPU: NVTX ranges plus torch.cuda.profiler.start()/stop() around the window, so that
 `nsys profile -c cudaProfilerApi` captures only that window (submit_pm.sh does this when
 ENABLE_PROFILING=1). CPU, or GPU without nsys: the same ranges as torch.profiler
-`record_function`s, and a trace of the same window written for TensorBoard / Perfetto.
+`record_function`s, and a Chrome-trace JSON of the same window, written to
+`<run dir>/profile/<PROFILE_OUTPUT>_rank<R>.<ms>.pt.trace.json` (or $TORCH_PROFILER_OUTPUT),
+to open in https://ui.perfetto.dev or chrome://tracing. (TensorBoard's PyTorch profiler plugin,
+torch-tb-profiler, is deprecated upstream and is not installed.)
 
 Ranges cost nothing when profiling is off (a null context).
 """
@@ -11,6 +14,7 @@ Ranges cost nothing when profiling is off (a null context).
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import re
@@ -79,10 +83,15 @@ class StepProfiler:
             log.info("Profiling window closed (nsys capture range ends here)")
             return
         self._torch_prof.__exit__(None, None, None)
-        log.info(f"torch.profiler trace written to {self.trace_dir}/ "
-                 "(open with `tensorboard --logdir` or ui.perfetto.dev)")
+        log.info(f"torch.profiler trace written to {self.trace_file()} "
+                 "(open it in https://ui.perfetto.dev or chrome://tracing)")
         log.info("Time per range and top operators in the window:\n" + self.summary())
         self._torch_prof = None
+
+    def trace_file(self) -> str:
+        """The newest trace of this rank (the handler adds a timestamp to the name)."""
+        traces = glob.glob(os.path.join(self.trace_dir, f"{self.trace_name}.*.pt.trace.json"))
+        return max(traces, key=os.path.getmtime) if traces else self.trace_dir + "/"
 
     def summary(self, rows: int = 12) -> str:
         """The step's named ranges, then the costliest operators, as text tables."""
