@@ -1,7 +1,8 @@
 #!/bin/bash
 # One process (one GPU, or CPU) training run, e.g.
 #     sbatch -n 1 -t 20 submit_pm.sh --config=short --num_data_workers 4
-# Arguments after the script go to train.py. Submit from the repository root.
+# Arguments after the script go to train.py (TRAIN_SCRIPT=<file> runs another script, e.g.
+# inference.py). Submit from the repository root.
 #
 # Only portable #SBATCH lines are below: site-specific options (-C gpu, account, QOS,
 # --gpus-per-node, container) come from the site preset, because #SBATCH lines cannot be
@@ -15,4 +16,4 @@
 #SBATCH --output=%x-%j.out
 
 cd "${SLURM_SUBMIT_DIR:-.}" && source site/common.sh || { echo "submit from the repository root" >&2; exit 1; }
-run_tasks train.py "$@"
+run_tasks "${TRAIN_SCRIPT:-train.py}" "$@"
