@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIG_FILE, run_distributed
+from helpers import CONFIG_FILE, run_distributed, run_script
 
 from utils.cli import build_parser, load_params
 from utils.run.run_dirs import (
@@ -213,3 +213,42 @@ def test_rank_0_names_the_run_and_every_rank_writes_to_it(tmp_path):
     assert first[0] == first[1] == (str(tmp_path / "tiny" / "2CPU" / "05-tp=2"), "a new run")
     assert second[0][0] == second[1][0] == str(tmp_path / "tiny" / "2CPU" / "06-tp=2")
     assert sorted(os.listdir(tmp_path / "tiny" / "2CPU")) == ["04", "05-tp=2", "06-tp=2"]
+
+
+# ----------------------------------------------------------------------------- train.py
+
+def tensorboard_runs(log_dir: Path) -> list[str]:
+    """The runs TensorBoard lists for `tensorboard --logdir log_dir`."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    return sorted(EventMultiplexer().AddRunsFromDirectory(str(log_dir)).Runs())
+
+
+@pytest.mark.e2e
+def test_two_runs_of_one_command_are_two_tensorboard_runs_and_resume_continues_the_newest(
+        tiny_data, tmp_path):
+    log_dir, runs = tmp_path / "logs", tmp_path / "logs" / "tiny" / "1CPU"
+    args = ["--config=tiny", "--num_iters=4", "--checkpoint_interval=4"]
+
+    def train(*flags: str):
+        run = run_script("train.py", [*args, *flags], data_dir=tiny_data, log_dir=log_dir,
+                         timeout=240)
+        assert run.returncode == 0 and "Finished" in run.stdout, run.output[-3000:]
+        return run
+
+    first, second, bf16 = train(), train(), train("--amp_mode=bf16")
+    assert [r.exp_dir() for r in (first, second, bf16)] == \
+        [runs / "00", runs / "01", runs / "02-amp_mode=bf16"]
+    for run in (first, second, bf16):  # the log names the directory before anything else
+        out_log = (run.exp_dir() / "out.log").read_text().splitlines()
+        assert f"Run directory {run.exp_dir()} (a new run)" in out_log[0]
+        assert len(list((run.exp_dir() / "logs").glob("events.out.tfevents.*"))) == 1
+    assert tensorboard_runs(log_dir) == \
+        ["tiny/1CPU/00/logs", "tiny/1CPU/01/logs", "tiny/1CPU/02-amp_mode=bf16/logs"]
+
+    resumed = train("--num_iters=8", "--resume")  # a longer run continues the newest one
+    assert resumed.exp_dir() == runs / "01"
+    assert f"Resumed from {runs / '01' / 'checkpoints' / 'ckpt_00000004.pt'}: iteration 4" \
+        in resumed.stdout
+    assert "Finished 8 iterations" in resumed.stdout
+    assert len(tensorboard_runs(log_dir)) == 3
