@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -252,3 +253,18 @@ def test_two_runs_of_one_command_are_two_tensorboard_runs_and_resume_continues_t
         in resumed.stdout
     assert "Finished 8 iterations" in resumed.stdout
     assert len(tensorboard_runs(log_dir)) == 3
+
+
+def test_the_readme_ladder_names_the_runs_as_train_py_names_them():
+    """README step 6: each ladder command's comment is the directory it gets in a fresh
+    logs/cpu_short/1CPU (the numbers in order, the labels from the flags)."""
+    readme = (CONFIG_FILE.parent.parent / "README.md").read_text()
+    block = readme[readme.index("**The ladder as training runs"):readme.index("### 7.")]
+    command = r"^python train\.py (--config=cpu_short(?=\s)(?: --\S+(?: [^-#\s]\S*)?)*)"
+    commands = re.findall(command, block, flags=re.M)
+    names = re.findall(r"#\s+(\d\d(?:-\S+)?)", block)
+    assert len(commands) == len(names) == 6, (commands, names)
+    for i, (command, name) in enumerate(zip(commands, names, strict=True)):
+        flags = ["--yaml_config", str(CONFIG_FILE), *command.split()]
+        label = load_params(build_parser("t").parse_args(flags)).run_label
+        assert name == (f"{i:02d}-{label}" if label else f"{i:02d}"), command

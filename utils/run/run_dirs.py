@@ -6,8 +6,9 @@ of its own, `<base>[-<label>]`:
 - base: under SLURM the job id (`job1234`; a second training in the same allocation
   `job1234.1`), so that a requeued job (same id, SLURM_RESTART_COUNT > 0) finds its own
   run; elsewhere the next free number (`00`, `01`, ...).
-- label: the flags that change what is trained, in a fixed order (`amp_mode=bf16-
-  num_data_workers=4`, `tp=2`), so that TensorBoard's run list says which run is which.
+- label: the flags that change what is trained, in a fixed order
+  (`amp_mode=bf16-num_data_workers=4`, `tp=2`), so that TensorBoard's run list says which
+  run is which.
   Flags that only say how long or how the run is kept (`NOT_IN_LABEL`) are left out, so a
   resumed run with a longer `--num_iters` finds the run it continues.
 
