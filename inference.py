@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ which model, which config
-def locate_checkpoint(args: argparse.Namespace) -> str:
-    """--checkpoint, else the newest checkpoint of --run_dir, else of the --config's run."""
+def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) -> str:
+    """--checkpoint, else the newest checkpoint of --run_dir, else of the --config's run
+    (of several: the one saved last, said in `notes`, logged once the log is set up)."""
     if args.checkpoint:
         return args.checkpoint
     if args.run_dir:
@@ -107,9 +108,9 @@ def locate_checkpoint(args: argparse.Namespace) -> str:
         raise ConfigError(f"{len(runs)} runs of {args.config} named {args.run_num}: "
                           f"{', '.join(runs)}; choose one with --run_dir")
     run = newest_checkpointed(runs)
-    if len(runs) > 1:
-        log.info(f"{len(runs)} runs of {args.config} have checkpoints; taking the newest, "
-                 f"{run} (choose another with --run_dir or --run_num)")
+    if len(runs) > 1 and notes is not None:
+        notes.append(f"{len(runs)} runs of {args.config} have checkpoints; taking the newest, "
+                     f"{run} (choose another with --run_dir or --run_num)")
     return latest_checkpoint(run)
 
 
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # ---- checkpoint, config and initial conditions, before any process group exists: a
     # user error stops every rank alike, with one line
-    path = locate_checkpoint(args)
+    notes: list[str] = []
+    path = locate_checkpoint(args, notes)
     params, ckpt = load_config(args, path)
     data = RolloutData(params, params.inf_data_path)
     channels = data.channel_names()
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     config_logger(rank)
     if rank == 0:
         log_to_file(os.path.join(out_dir, "inference.log"))
+    for note in notes:
+        log.info(note)
     log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {params.config}); "
              f"layout tp {comm.get_size('tp')} x cp {comm.get_size('cp')} x dp "
              f"{comm.get_size('dp')}; amp_mode {params.amp_mode}")

@@ -4,7 +4,6 @@ one-line errors for everything a user can get wrong. In-process, on a real check
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -46,15 +45,16 @@ def test_the_configs_run_is_found_under_log_dir(run_dir):
         str(run_dir)
 
 
-def test_of_several_runs_the_config_takes_the_one_saved_last(run_dir, caplog):
+def test_of_several_runs_the_config_takes_the_one_saved_last(run_dir):
     newer = run_dir.parent.parent / "2CPU" / "03-tp=2"
     shutil.copytree(run_dir, newer)
     older = run_dir / "checkpoints" / "ckpt_00000000.pt"
     os.utime(older, (1e9, 1e9))
-    caplog.set_level(logging.INFO)
-    assert inference.locate_checkpoint(args("--config=tiny")) == \
+    notes: list[str] = []
+    assert inference.locate_checkpoint(args("--config=tiny"), notes) == \
         str(newer / "checkpoints" / "ckpt_00000000.pt")
-    assert f"2 runs of tiny have checkpoints; taking the newest, {newer}" in caplog.text
+    assert notes == [f"2 runs of tiny have checkpoints; taking the newest, {newer} (choose "
+                     "another with --run_dir or --run_num)"]
     assert inference.locate_checkpoint(args("--config=tiny", "--run_num=00")) == str(older)
 
 
