@@ -1,7 +1,7 @@
 """Forecast skill: roll a trained model forward for days and score it against persistence and
 climatology.
 
-    python inference.py --config=cpu_short                  # newest checkpoint of that run
+    python inference.py --config=cpu_short                  # the config's newest run
     python inference.py --run_dir logs/cpu_base/1CPU/00     # the config saved in the run
     python inference.py --checkpoint logs/cpu_base/1CPU/00/checkpoints/ckpt_00001200.pt
     torchrun --nproc_per_node 2 inference.py --run_dir DIR  # initial conditions split (dp)
@@ -55,6 +55,7 @@ from utils.rollout import rollout
 from utils.run.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint
 from utils.run.logging_utils import config_logger, log_to_file
 from utils.run.main import run_main
+from utils.run.run_dirs import newest_checkpointed
 from utils.YParams import YParams
 
 log = logging.getLogger("inference")
@@ -65,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default=None,
                    help="config section (default: the config saved in the checkpoint)")
-    p.add_argument("--run_num", default="00", help="with --config: which run of it")
+    p.add_argument("--run_num", default=None,
+                   help="with --config: which run of it (default: the one whose newest "
+                        "checkpoint was written last)")
     p.add_argument("--run_dir", default=None, help="run directory: its newest checkpoint")
     p.add_argument("--checkpoint", default=None, help="a checkpoint file")
     p.add_argument("--n_initial_conditions", type=int, default=None,
@@ -83,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ which model, which config
-def locate_checkpoint(args: argparse.Namespace) -> str:
-    """--checkpoint, else the newest checkpoint of --run_dir, else of the --config's run."""
+def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) -> str:
+    """--checkpoint, else the newest checkpoint of --run_dir, else of the --config's run
+    (of several: the one saved last, said in `notes`, logged once the log is set up)."""
     if args.checkpoint:
         return args.checkpoint
     if args.run_dir:
@@ -95,15 +99,19 @@ def locate_checkpoint(args: argparse.Namespace) -> str:
     if args.config is None:
         raise ConfigError("which model? give --run_dir RUN_DIR, --checkpoint FILE or --config NAME")
     params = YParams(args.yaml_config, args.config)
-    pattern = os.path.join(params.expdir, args.config, "*", args.run_num)
+    pattern = os.path.join(params.expdir, args.config, "*", args.run_num or "*")
     runs = [r for r in sorted(glob.glob(pattern)) if latest_checkpoint(r)]
     if not runs:
         raise CheckpointError(f"no checkpoint in {pattern}/checkpoints: train the config "
                               "first (set LOG_DIR as for training), or give --run_dir/--checkpoint")
-    if len(runs) > 1:
-        raise ConfigError(f"{len(runs)} runs of {args.config}: {', '.join(runs)}; "
-                          "choose one with --run_dir")
-    return latest_checkpoint(runs[0])
+    if args.run_num and len(runs) > 1:
+        raise ConfigError(f"{len(runs)} runs of {args.config} named {args.run_num}: "
+                          f"{', '.join(runs)}; choose one with --run_dir")
+    run = newest_checkpointed(runs)
+    if len(runs) > 1 and notes is not None:
+        notes.append(f"{len(runs)} runs of {args.config} have checkpoints; taking the newest, "
+                     f"{run} (choose another with --run_dir or --run_num)")
+    return latest_checkpoint(run)
 
 
 class SavedParams(YParams):
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # ---- checkpoint, config and initial conditions, before any process group exists: a
     # user error stops every rank alike, with one line
-    path = locate_checkpoint(args)
+    notes: list[str] = []
+    path = locate_checkpoint(args, notes)
     params, ckpt = load_config(args, path)
     data = RolloutData(params, params.inf_data_path)
     channels = data.channel_names()
@@ -271,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     config_logger(rank)
     if rank == 0:
         log_to_file(os.path.join(out_dir, "inference.log"))
+    for note in notes:
+        log.info(note)
     log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {params.config}); "
              f"layout tp {comm.get_size('tp')} x cp {comm.get_size('cp')} x dp "
              f"{comm.get_size('dp')}; amp_mode {params.amp_mode}")

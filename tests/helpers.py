@@ -109,10 +109,21 @@ class TrainRun:
         """`rc, out = run_train(...)`."""
         return iter((self.returncode, self.output))
 
-    def exp_dir(self, config: str = "tiny", world_size: int = 1, run_num: str = "00",
+    def exp_dir(self, config: str = "tiny", world_size: int = 1, run_num: str | None = None,
                 kind: str = "CPU") -> Path:
-        """<LOG_DIR>/<config>/<N><CPU|GPU>/<run_num>, where train.py writes its run."""
-        return self.log_dir / config / f"{world_size}{kind}" / run_num
+        """<LOG_DIR>/<config>/<N><CPU|GPU>/<run_num>, where train.py writes its run. Without
+        `run_num`: the directory this run's log names (a run prints it at start), else the
+        only run there."""
+        parent = self.log_dir / config / f"{world_size}{kind}"
+        if run_num is not None:
+            return parent / run_num
+        named = re.findall(rf"Run directory ({re.escape(str(parent))}/[^ /\n]+) \(",
+                           self.output)
+        if named:
+            return Path(named[-1])
+        runs = sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+        assert len(runs) == 1, f"which run of {parent}? {[r.name for r in runs]}"
+        return runs[0]
 
 
 def child_env(env_extra: Mapping[str, Any] | None = None) -> dict[str, str]:

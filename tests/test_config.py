@@ -224,7 +224,7 @@ def test_cli_without_flags_keeps_the_config_values(clean_env):
     for key in ("amp_mode", "num_iters", "enable_fused", "enable_jit", "num_data_workers",
                 "data_loader_config", "seed", "lr", "global_batch_size"):
         assert p[key] == ref[key], key
-    assert p.local_batch_size is None and p.run_num == "00"
+    assert p.local_batch_size is None and p.run_num is None
     assert cli([]).config == "cpu_short"  # the default config
 
 

@@ -148,10 +148,11 @@ def test_values_are_normalised_and_optional_keys_get_their_defaults(tmp_path):
     assert p.img_size == [16, 32] and all(isinstance(n, int) for n in p.img_size)
     assert p.limit_nsamples is None
     assert (p.model, p.rollout_steps, p.h_parallel_size, p.w_parallel_size) == ("vit", 1, 1, 1)
-    assert (p.run_num, p.local_batch_size, p.checkpoint_keep) == ("00", None, 3)
+    assert (p.run_num, p.local_batch_size, p.checkpoint_keep) == (None, None, 3)
     from utils.cli import RUN_FLAGS  # settings of the run only, not config keys
 
-    assert set(KEYS) | {"config", "yaml_config", *RUN_FLAGS} == set(p.to_dict())
+    # run_label: the flags given, for the run directory's name (utils/run/run_dirs.py)
+    assert set(KEYS) | {"config", "yaml_config", "run_label", *RUN_FLAGS} == set(p.to_dict())
 
 
 def test_flags_are_checked_after_merging_so_a_flag_fixes_a_bad_yaml_value(tmp_path):

@@ -290,7 +290,7 @@ def test_bad_input_is_one_error_line_and_exit_code_2(runs, name):
 def test_a_nan_loss_keeps_the_last_good_checkpoint(runs):
     """lr 1e30: iteration 1 leaves huge but finite weights (saved), iteration 2's loss is
     NaN: the run stops there, and nothing after the good checkpoint is written."""
-    exp = runs["_cases"]["nan_loss"].log_dir / "nan_lr" / "1CPU" / "00"
+    exp = runs["nan_loss"].exp_dir("nan_lr")
     files = list_checkpoints(str(exp))
     assert [Path(f).name for f in files] == ["ckpt_00000001.pt"]
     ckpt = torch.load(files[0], weights_only=True)

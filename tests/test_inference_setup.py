@@ -4,6 +4,7 @@ one-line errors for everything a user can get wrong. In-process, on a real check
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -44,10 +45,24 @@ def test_the_configs_run_is_found_under_log_dir(run_dir):
         str(run_dir)
 
 
-def test_two_runs_of_the_config_need_run_dir(run_dir):
+def test_of_several_runs_the_config_takes_the_one_saved_last(run_dir):
+    newer = run_dir.parent.parent / "2CPU" / "03-tp=2"
+    shutil.copytree(run_dir, newer)
+    older = run_dir / "checkpoints" / "ckpt_00000000.pt"
+    os.utime(older, (1e9, 1e9))
+    notes: list[str] = []
+    assert inference.locate_checkpoint(args("--config=tiny"), notes) == \
+        str(newer / "checkpoints" / "ckpt_00000000.pt")
+    assert notes == [f"2 runs of tiny have checkpoints; taking the newest, {newer} (choose "
+                     "another with --run_dir or --run_num)"]
+    assert inference.locate_checkpoint(args("--config=tiny", "--run_num=00")) == str(older)
+
+
+def test_a_run_num_of_two_world_sizes_needs_run_dir(run_dir):
     shutil.copytree(run_dir, run_dir.parent.parent / "2CPU" / "00")
-    with pytest.raises(ConfigError, match="2 runs of tiny: .*; choose one with --run_dir"):
-        inference.locate_checkpoint(args("--config=tiny"))
+    with pytest.raises(ConfigError, match="2 runs of tiny named 00: .*; choose one with "
+                                          "--run_dir"):
+        inference.locate_checkpoint(args("--config=tiny", "--run_num=00"))
 
 
 def test_a_config_never_trained_is_a_checkpoint_error(run_dir):

@@ -164,7 +164,7 @@ def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(reference_
     assert run.wait() == EXIT_PREEMPTED, run.output[-4000:]
     k = stopped_at(run.output, signal.SIGUSR1)
     assert 1 <= k < ITERS
-    exp = log_dir / "tiny" / "1CPU" / "00"
+    exp = log_dir / "tiny" / "1CPU" / "job4242-num_data_workers=2"  # the job's own run
     assert [Path(p).name for p in list_checkpoints(str(exp))] == [f"ckpt_{k:08d}.pt"]
     assert record.read_text().split() == ["requeue", "4242"]
     assert "SLURM job 4242 requeued" in run.output
@@ -175,6 +175,7 @@ def test_sigusr1_checkpoints_requeues_and_the_restart_resumes_exactly(reference_
                          env_extra={**slurm, "SLURM_RESTART_COUNT": "1"}, timeout=TIMEOUT)
     assert_completed(restart, ITERS)
     assert "SLURM restart 1 of a --requeue job: resuming" in restart.stdout
+    assert restart.exp_dir() == exp  # the restarted job found its own run
     assert re.search(rf"Resumed from \S+ckpt_{k:08d}\.pt: {resume_line(k)}", restart.stdout), \
         restart.stdout[-3000:]
     reference = reference.result()

@@ -113,9 +113,10 @@ def mp_runs(reference_run, tiny_data, tmp_path_factory) -> dict[str, TrainRun]:
     ref = reference_run("train_mp.py", [*MP_ARGS, "--tp=2"], nproc=2)
     ckpt12 = ref.exp_dir("tiny", 2) / "checkpoints" / "ckpt_00000012.pt"
     assert ckpt12.is_file(), sorted(p.name for p in ckpt12.parent.iterdir())
-    fresh = tmp_path_factory.mktemp("tp2_resume")
-    (fresh / "tiny" / "2CPU" / "00" / "checkpoints").mkdir(parents=True)
-    shutil.copy(ckpt12, fresh / "tiny" / "2CPU" / "00" / "checkpoints")
+    fresh = tmp_path_factory.mktemp("tp2_resume")  # a copy of the run, under its own name
+    copy = fresh / "tiny" / "2CPU" / ref.exp_dir("tiny", 2).name / "checkpoints"
+    copy.mkdir(parents=True)
+    shutil.copy(ckpt12, copy)
     jobs = {
         "tp2": ([*MP_ARGS, "--tp=2", "--resume"], 2, fresh),
         "tp1": ([*MP_ARGS, "--tp=1", f"--resume={ckpt12}"], None,

@@ -77,5 +77,10 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_d
 
     ref_out = slurm_job_output(cluster, reference, JOB_TIMEOUT)
     assert "Resumed" not in ref_out and f"Finished {ITERS} iterations" in ref_out
-    assert_same_state(final_checkpoint(tmp_path / "preempted" / "tiny" / "1CPU" / "00"),
-                      final_checkpoint(tmp_path / "reference" / "tiny" / "1CPU" / "00"))
+    # Each job ran in a directory named by its job id; the rerun continued its own.
+    runs = tmp_path / "preempted" / "tiny" / "1CPU"
+    assert [p.name for p in runs.iterdir()] == [f"job{preempted}"]
+    assert f"Run directory {runs / f'job{preempted}'} (SLURM restart 1 of job {preempted}" in out
+    assert_same_state(final_checkpoint(runs / f"job{preempted}"),
+                      final_checkpoint(tmp_path / "reference" / "tiny" / "1CPU" /
+                                       f"job{reference}"))

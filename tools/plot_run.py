@@ -22,6 +22,7 @@ from networks import build_model  # noqa: E402
 from utils.data.loader import ERA5Dataset  # noqa: E402
 from utils.run.checkpoint import latest_checkpoint  # noqa: E402
 from utils.run.figures import target_vs_prediction  # noqa: E402
+from utils.run.run_dirs import newest_checkpointed  # noqa: E402
 from utils.YParams import YParams  # noqa: E402
 
 
@@ -73,11 +74,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--yaml_config", default="config/ViT.yaml")
     p.add_argument("--config", default="cpu_base")
-    p.add_argument("--run", default=None, help="run directory (default logs/<config>/1CPU/00)")
+    p.add_argument("--run", default=None,
+                   help="run directory (default: the newest single-process run of the config)")
     p.add_argument("--out", default="docs")
     args = p.parse_args()
     params = YParams(args.yaml_config, args.config)
-    run = args.run or glob.glob(os.path.join(params.expdir, args.config, "1*", "00"))[0]
+    run = args.run or newest_checkpointed(
+        glob.glob(os.path.join(params.expdir, args.config, "1[CG]PU", "*")))
+    if run is None:
+        raise SystemExit(f"error: no run of {args.config} with a checkpoint in "
+                         f"{params.expdir}/{args.config}/1CPU|1GPU; give --run")
     os.makedirs(args.out, exist_ok=True)
     plot_curves(run, os.path.join(args.out, f"{args.config}_curves.png"),
                 label={"vit": "ViT", "afno": "AFNO"}[params.model])

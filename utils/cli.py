@@ -6,7 +6,10 @@ import argparse
 
 from utils.errors import ConfigError, UserError
 from utils.launch_env import resolve_launch_env
+from utils.run.run_dirs import run_label
 from utils.YParams import YParams
+
+BUCKET_CAP_MB = 25  # DDP's own default
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -29,7 +32,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
     p.add_argument("--config", default="cpu_short", type=str, help="section of the YAML file")
     p.add_argument("--run_num", default=None, type=str,
-                   help="tag of this run's directory (default 00)")
+                   help="name of this run's directory, reused as it is (default: a new name "
+                        "for every run: the SLURM job id or the next free number, then the "
+                        "flags given)")
     p.add_argument("--amp_mode", choices=["none", "fp16", "bf16", "auto"], default=None,
                    help="mixed precision (autocast); auto: bf16 or fp16 where the hardware "
                    "runs it natively, else none; overrides the config")
@@ -49,7 +54,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="start from this checkpoint's weights (fine-tuning: iteration 0, "
                         "fresh optimizer)")
     # Data parallelism
-    p.add_argument("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size")
+    p.add_argument("--bucket_cap_mb", type=int, default=BUCKET_CAP_MB,
+                   help="DDP gradient bucket size")
     p.add_argument("--disable_broadcast_buffers", action="store_true",
                    help="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     p.add_argument("--noddp", action="store_true",
@@ -99,4 +105,9 @@ def load_params(args: argparse.Namespace) -> YParams:
     overrides = {key: v for key, v in given.items() if v is not None and v is not False}
     params = YParams(args.yaml_config, args.config, overrides=overrides)
     params.update({key: getattr(args, key) for key in RUN_FLAGS})
+    # The run directory's name shows the flags that change what is trained (the DDP ones
+    # too: `--noddp` is a different measurement): TensorBoard's run list tells them apart.
+    ddp = {"noddp": args.noddp, "disable_broadcast_buffers": args.disable_broadcast_buffers,
+           "bucket_cap_mb": None if args.bucket_cap_mb == BUCKET_CAP_MB else args.bucket_cap_mb}
+    params.run_label = run_label({**overrides, **ddp})
     return params

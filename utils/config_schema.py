@@ -111,7 +111,9 @@ class RunKeys(Keys):
     """Run directory and checkpoints"""
 
     expdir: PathStr = Field(description="log root (LOG_DIR replaces it)")
-    run_num: RunTag = Field("00", description="run directory: `expdir/<config>/<N>CPU/<run_num>`")
+    run_num: RunTag | None = Field(
+        None, description="run directory `expdir/<config>/<N>CPU/<run_num>`, reused as it is; "
+                          "None: every run a new one (job id or next number, then the flags)")
     checkpoint_interval: NonNegInt = Field(
         1000, description="iterations between checkpoints (0: only at the end)")
     checkpoint_keep: PosInt = Field(3, description="newest checkpoints kept")

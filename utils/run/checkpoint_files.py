@@ -50,7 +50,10 @@ def set_aside_newer(exp_dir: str, iters: int) -> str | None:
     checkpoints/superseded-<time>/ (nothing is deleted); returns that directory.
 
     They belong to a timeline the starting run abandons: an earlier run in the same
-    directory (a fresh start) or the part after an older checkpoint it resumes from. Left in
+    directory (a fresh start in a directory reused by `--run_num`, or a SLURM restart
+    without `--requeue`) or the part after an older checkpoint it resumes from
+    (`--resume PATH`). A new run without `--run_num` has a directory of its own
+    (utils/run/run_dirs.py), so there is nothing to set aside. Left in
     place, keep-K would delete the new run's files in their favour (names sort by iteration)
     and `--resume` (auto) would pick them up after the next interruption.
     """

@@ -18,14 +18,50 @@ from utils.errors import ConfigError
 from utils.launch_env import LaunchEnv
 from utils.run.disk import free_space
 from utils.run.logging_utils import config_logger, log_to_file
+from utils.run.run_dirs import choose_run, compose, create_run
 
 log = logging.getLogger("train")
 
 
 def experiment_dir(params: Any, world_size: int, device: torch.device) -> str:
-    """<expdir>/<config>/<N><GPU|CPU>/<run_num>/, as in the tutorial."""
+    """<expdir>/<config>/<N><GPU|CPU>/<run_num>/, as in the tutorial. The first call of a
+    run without `--run_num` names the run (`resolve_run_num`), on every rank."""
+    if params.get("run_num") is None:
+        resolve_run_num(params, world_size, device)
+    return os.path.join(runs_parent(params, world_size, device), str(params.run_num))
+
+
+def runs_parent(params: Any, world_size: int, device: torch.device) -> str:
     kind = "GPU" if device.type == "cuda" else "CPU"
-    return os.path.join(params.expdir, params.config, f"{world_size}{kind}", str(params.run_num))
+    return os.path.join(params.expdir, params.config, f"{world_size}{kind}")
+
+
+def resolve_run_num(params: Any, world_size: int, device: torch.device) -> str:
+    """Name this run's directory once (utils/run/run_dirs.py): rank 0 chooses and creates
+    it, every rank stores the name in params.run_num, so that everything after (checkpoints,
+    TensorBoard, profiles, the benchmarks) writes into the same directory. Returns why this
+    directory (for the log)."""
+    choice, error = None, None
+    if comm.get_world_rank() == 0:
+        parent, label = runs_parent(params, world_size, device), params.get("run_label", "")
+        target = parent
+        try:
+            choice = choose_run(parent, label, run_num=params.get("run_num"),
+                                resume=params.get("resume"), environ=os.environ)
+            target = os.path.join(parent, compose(choice.name, label) if choice.new
+                                  else choice.name)
+            if choice.new:
+                choice.name = create_run(parent, choice.name, label)
+        except OSError as e:
+            error = f"cannot write the run directory {target} ({e.strerror or e}; " \
+                    f"{free_space(parent)}): set LOG_DIR (or expdir in the config) to a " \
+                    "writable directory with free space"
+    choice, error = comm.broadcast_from_rank0((choice, error))
+    if error:
+        comm.settle()  # the broadcast's last traces are gone before the ranks exit
+        raise ConfigError(error)
+    params.run_num = choice.name
+    return choice.why
 
 
 def seed_everything(seed: int) -> None:
@@ -66,6 +102,8 @@ def setup_run(params: Any, env: LaunchEnv, device: torch.device) -> str:
     config_logger(world_rank)
     set_batch_sizes(params, comm.get_size("dp"))
     seed_everything(params.seed)
+    why = resolve_run_num(params, world_size, device) if params.get("run_num") is None \
+        else "run_num given"
     exp_dir = experiment_dir(params, world_size, device)
     error = None
     if world_rank == 0:
@@ -81,6 +119,7 @@ def setup_run(params: Any, env: LaunchEnv, device: torch.device) -> str:
         comm.settle()  # the broadcast's last traces are gone before the ranks exit
         raise ConfigError(error)
     if world_rank == 0:
+        log.info(f"Run directory {exp_dir} ({why})")
         log.info(describe_device(device))
         log.info(f"world size {world_size} ({env.launcher} launcher), "
                  f"global batch {params.global_batch_size}, local batch {params.local_batch_size}")
