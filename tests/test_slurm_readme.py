@@ -23,7 +23,7 @@ from helpers import REPO, slurm_job_output, start_slurm_cluster
 README = REPO / "README.md"
 MARKER = "<!-- cpu-sbatch-lines"
 BASH = shutil.which("bash") or "/bin/bash"
-ALL_JOBS_TIMEOUT = 1500  # s for the whole block on a busy 2-core machine (measured: see below)
+ALL_JOBS_TIMEOUT = 1500  # s for the whole block (measured 9 min with 2 cores at load ~20)
 # Variables of an outer launcher or of the test machine that must not reach the jobs.
 LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
          "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
