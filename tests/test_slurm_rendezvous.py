@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -114,3 +115,20 @@ def test_an_unresolvable_ddp_master_addr_fails_in_seconds_with_one_line(cluster,
     print(f"unresolvable DDP_MASTER_ADDR: the job ended {seconds:.0f} s after it started "
           "(start-up included)")
     assert seconds < STARTUP_ALLOWANCE + RESOLVE_TIMEOUT_SEC
+
+
+def _master_addr(cluster: SlurmCluster, nodelist: str) -> str:
+    """MASTER_ADDR as export_DDP_vars.sh sets it for a task of a job on `nodelist`."""
+    env = {k: v for k, v in cluster.env.items() if k not in LEAKY}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST=nodelist)
+    done = subprocess.run(["bash", "-c", 'source ./export_DDP_vars.sh && echo "$MASTER_ADDR"'],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_export_ddp_vars_asks_scontrol_only_for_a_name_that_does_not_resolve(cluster):
+    first = cluster.node_names[0]
+    assert _master_addr(cluster, f"{first},{cluster.node_names[1]}") == \
+        _node_addr(cluster, first) != first
+    assert _master_addr(cluster, "localhost") == "localhost"  # resolves: kept as it is
