@@ -26,7 +26,8 @@ legitimately wait for a slow peer much longer (a checkpoint, a long validation).
 Only rank 0 reports a failed rendezvous: every failure reaches it (an unresolvable name
 fails there too; a rank that cannot connect never arrives, and rank 0 names it). The other
 ranks stay silent for as long as rank 0 may still be waiting (`UserError.defer`): when it
-exits, the launcher (srun, mpirun, torchrun) ends them. Under torchrun, whose agent hosts
+exits, the launcher (srun, mpirun) ends them. One still running after that reports the
+failure itself (rank 0 may never have started). Under torchrun, whose agent hosts
 the store before any rank starts (TORCHELASTIC_USE_AGENT_STORE), torch's env:// rendezvous
 is used as it is.
 """
@@ -281,8 +282,9 @@ def join(env: LaunchEnv, limits: Timeouts,
     except RendezvousError as e:
         raise _who_reports(e, env.rank, outwait - time.monotonic()) from None
     except (RuntimeError, OSError) as e:  # a store operation failed: rank 0 is gone
+        why = (str(e).splitlines() or [type(e).__name__])[0]
         error = RendezvousError(f"the rendezvous at MASTER_ADDR={env.master_addr}:"
-                                f"{env.master_port} ended ({str(e).splitlines()[0]})")
+                                f"{env.master_port} ended ({why})")
         raise _who_reports(error, env.rank, DEFER_MARGIN_SEC) from None
     store.set_timeout(timedelta(seconds=limits.collective))
     return store
