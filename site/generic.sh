@@ -30,8 +30,8 @@ export SITE_LAUNCHER="${SITE_LAUNCHER:-}"
 # Extra srun options, e.g. "--cpus-per-task=8"; srun also reads SLURM_CPU_BIND (e.g. cores).
 export SITE_SRUN_ARGS="${SITE_SRUN_ARGS:-}"
 # export SLURM_CPU_BIND=cores
-# Network interface whose IPv4 address becomes MASTER_ADDR (e.g. hsn0, ib0); empty: the first
-# host name of the node list.
+# Optional: network interface whose IPv4 address becomes MASTER_ADDR (e.g. hsn0, ib0); empty:
+# the first node's address (export_DDP_vars.sh: its name, else its NodeAddr).
 export SITE_MASTER_IFACE="${SITE_MASTER_IFACE:-}"
 # GPU order seen by the tasks (LOCAL_RANK indexes it); empty: as SLURM sets it.
 export SITE_CUDA_VISIBLE_DEVICES="${SITE_CUDA_VISIBLE_DEVICES:-}"

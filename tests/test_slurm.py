@@ -17,14 +17,13 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import REPO, slurm_job_output, start_slurm_cluster
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SlurmCluster, parse_fields
 
 SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
 JOB_TIMEOUT = 240  # seconds for one tiny training job on a 2-core machine (~15-35 s measured)
@@ -171,18 +170,12 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("slurm-jobs")
 
 
-def _job_env(cluster: SlurmCluster, workdir: Path, rendezvous: bool = True,
-             **extra: str) -> dict[str, str | None]:
+def _job_env(cluster: SlurmCluster, workdir: Path, **extra: str) -> dict[str, str | None]:
     """What a user on a generic cluster exports before sbatch: the generic preset, this
-    test's python, and data/log directories outside the repository."""
+    test's python, and data/log directories outside the repository. Nothing about the
+    rendezvous: export_DDP_vars.sh finds an address of the first node that resolves."""
     env: dict[str, str | None] = {k: None for k in LEAKY}
     env.update(SITE="generic", PYTHON=sys.executable, LOG_DIR=str(workdir / "logs"))
-    try:
-        if rendezvous:
-            socket.gethostbyname(cluster.node_names[0])
-    except OSError:  # this machine's own name does not resolve: rendezvous on loopback
-        print(f"note: {cluster.node_names[0]} does not resolve; DDP_MASTER_ADDR=127.0.0.1")
-        env["DDP_MASTER_ADDR"] = "127.0.0.1"
     env.update(extra)
     return env
 
@@ -326,12 +319,13 @@ def test_two_node_model_parallel_layout(workdir):
     probe.write_text(PROBE)
     c = start_slurm_cluster(nodes=2)
     try:
-        env = _job_env(c, workdir, rendezvous=False, TRAIN_SCRIPT=str(probe), ENABLE_PROFILING="1",
+        env = _job_env(c, workdir, TRAIN_SCRIPT=str(probe), ENABLE_PROFILING="1",
                        PROFILE_OUTPUT="probe")
         args = ["--config=mp", "--row_parallel_size=2", "two words", "quote'\"$HOME"]
         job = c.submit("submit_pm_mp.sh", args, env=env, cwd=str(REPO),
                        sbatch_opts=["-N", "2", "--ntasks-per-node=2", _out_opt(workdir)])
         out = slurm_job_output(c, job, timeout=60)
+        node1 = parse_fields(c.run(["scontrol", "show", "node", "node1", "-o"]).stdout)
     finally:
         c.stop()
     try:
@@ -348,7 +342,8 @@ def test_two_node_model_parallel_layout(workdir):
         assert (int(s["SLURM_NODEID"]), int(s["LOCAL_RANK"])) == divmod(rank, 2)
         assert s["TORCH_PROFILER_OUTPUT"] is None or shutil.which("nsys")  # trace: run dir
     assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
-    assert by_rank[0]["MASTER_ADDR"] == "node1"  # the first host of the job's node list
+    # node1 is a SLURM name, not a host name: the first node's address (NodeAddr) instead
+    assert by_rank[0]["MASTER_ADDR"] == node1["NodeAddr"] != "node1"
 
 
 SIGNAL_JOB = """\

@@ -39,6 +39,7 @@ import torch.distributed as dist
 # and gloo's threads with it, until the interpreter exits (see `shutdown`).
 import torch.distributed.nn  # noqa: F401, I001
 
+from utils import rendezvous
 from utils.errors import ConfigError
 from utils.launch_env import LaunchEnv, resolve_launch_env
 from utils.rank_generator import RankGenerator
@@ -216,12 +217,15 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int =
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(env))
     if env.distributed:
-        # A bounded timeout: a dead rank ends the job instead of hanging it for 30 minutes.
-        timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_SEC", "300")))
+        # The ranks meet first (bounded by DIST_CONNECT_TIMEOUT_SEC; one line and exit 2 if
+        # they cannot); collectives then get their own bounded timeout (DIST_TIMEOUT_SEC): a
+        # dead rank ends the job instead of hanging it for 30 minutes.
+        limits = rendezvous.timeouts()
+        store = rendezvous.join(env, limits)  # None under torchrun: env://, its agent's store
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank, world_size=env.world_size, timeout=timeout,
+            backend="nccl" if device.type == "cuda" else "gloo", store=store,
+            rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(seconds=limits.collective),
             device_id=device if device.type == "cuda" else None)
     init(tp=tp, cp=cp, order=order, h=h, w=w)  # every rank raises the same one-line error
     return env, device

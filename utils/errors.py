@@ -23,6 +23,10 @@ class UserError(ValueError):
     """
 
     every_rank = False
+    # Seconds a rank other than 0 stays silent before printing this error: rank 0 is
+    # expected to report the same failure, and the launcher then ends this rank
+    # (utils/rendezvous.py). A stop signal meanwhile means exactly that: it stays silent.
+    defer = 0.0
 
     def __init__(self, *args: object, every_rank: bool | None = None):
         super().__init__(*args)

@@ -14,6 +14,9 @@ mismatched collectives would hang or mix up their data.
     `error: rank k: ...`; the others stay silent.
   - A rank that then fails because its peer has gone (a collective on a closed connection)
     sees that a peer has reported and exits quietly instead of printing a traceback.
+  - An error with a `defer` (a failed rendezvous, utils/rendezvous.py) is printed by a rank
+    other than 0 only if that rank is still running `defer` seconds later: rank 0 reports
+    the same failure, and the launcher then ends the other ranks.
   - No store (before the process group exists, or its host has exited): the rank prints.
     Before the process group exists the ranks have read the same config and flags, so an
     `every_rank` error is left to rank 0.
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from utils import comm
 from utils.errors import UserError, message_of
 from utils.launch_env import resolve_launch_env
+from utils.run import signals
 
 KEY = "user_error_reported_by_rank"
 STORE_TIMEOUT = timedelta(seconds=10)
@@ -110,9 +114,22 @@ def error_line(error: UserError) -> str:
     return f"error: {who}{message_of(error)}"
 
 
+def _outwaited(error: UserError) -> bool:
+    """Wait up to `error.defer` seconds on a rank other than 0; True when a stop signal came
+    meanwhile (the launcher ends the job because rank 0 has reported the failure)."""
+    if error.defer <= 0 or _rank_and_world()[0] == 0:
+        return False
+    deadline = time.monotonic() + error.defer
+    while time.monotonic() < deadline:
+        if signals.received() is not None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def report(error: UserError) -> bool:
     """Print `error`'s one line on stderr if this rank is the one to print it (True)."""
-    if not should_print(error):
+    if not should_print(error) or _outwaited(error):
         return False
     print(error_line(error), file=sys.stderr, flush=True)
     return True
