@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -60,10 +59,6 @@ def test_a_slurm_job_trains_the_afno_on_a_2x2_mesh(tiny_data: Path, tmp_path: Pa
                                                         "MASTER_PORT", "TRAIN_SCRIPT")}
         env.update(SITE="generic", PYTHON=sys.executable, DATA_DIR=str(tiny_data),
                    LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1")
-        try:
-            socket.gethostbyname(cluster.node_names[0])
-        except OSError:  # this machine's own name does not resolve: rendezvous on loopback
-            env["DDP_MASTER_ADDR"] = "127.0.0.1"
         args = ["--config=tiny_afno", "--num_iters=8", "--h_parallel_size=2",
                 "--w_parallel_size=2"]
         job = cluster.submit("submit_pm_mp.sh", args, env=env, cwd=str(REPO),
