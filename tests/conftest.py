@@ -81,6 +81,15 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A private one-node SLURM cluster shared by a module's tests (a module that needs two
+    nodes defines its own `cluster`); a visible skip where none can run here."""
+    c = helpers.start_slurm_cluster(nodes=1)
+    yield c
+    c.stop()
+
+
 @pytest.fixture
 def tiny_params(tiny_data: Path):
     """The `tiny` config pointed at `tiny_data`, with a local batch size: a fresh YParams."""

@@ -251,6 +251,23 @@ def _kill(procs: list) -> None:
 
 # ----------------------------------------------------------------- SLURM
 
+# Variables of an outer launcher, a site or a profiler that must not reach a test's jobs.
+SLURM_LEAKY_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
+    "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
+    "PROFILE_OUTPUT", "TORCH_PROFILER_OUTPUT", "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS",
+    "DIST_CONNECT_TIMEOUT_SEC")
+
+
+def generic_job_env(**extra: str) -> dict[str, str | None]:
+    """What a user on a generic cluster exports before sbatch: the generic preset and a
+    python, plus `extra` (DATA_DIR, LOG_DIR, ...); the leaky variables unset (None).
+    Nothing about the rendezvous: export_DDP_vars.sh finds an address that resolves."""
+    env: dict[str, str | None] = {k: None for k in SLURM_LEAKY_VARS}
+    env.update(SITE="generic", PYTHON=sys.executable, **extra)
+    return env
+
+
 def start_slurm_cluster(nodes: int = 1):
     """A private SLURM cluster on this machine (tests/slurm_cluster.py), or a visible skip
     where it cannot run (not root, no packages): in the -ra summary, as a warning and on
@@ -272,6 +289,21 @@ def skip_visibly(what: str, reason: str, required_env: str) -> NoReturn:
     print(f"\nSKIPPED {what} tests: {reason}", file=sys.stderr)
     warnings.warn(reason, stacklevel=3)
     pytest.skip(reason)
+
+
+def preempt_slurm_job(cluster, job: int, timeout: float) -> tuple[str, int]:
+    """USR1 to a training job's tasks once its loop runs (what `sbatch --signal=USR1@T`
+    sends before the time limit); then its output once it has COMPLETED with exit 0, and
+    the iteration at which the signal stopped it."""
+    try:
+        cluster.wait_output(job, "Starting training loop", timeout=timeout)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    cluster.signal(job, "USR1")
+    out = slurm_job_output(cluster, job, timeout)
+    stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
+    assert stopped, out[-4000:]
+    return out, int(stopped.group(1))
 
 
 def slurm_job_output(cluster, job: int, timeout: float) -> str:

@@ -18,20 +18,15 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, slurm_job_output, start_slurm_cluster
+from helpers import REPO, generic_job_env, slurm_job_output, start_slurm_cluster
 from slurm_cluster import SlurmCluster, parse_fields
 
 SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
 JOB_TIMEOUT = 240  # seconds for one tiny training job on a 2-core machine (~15-35 s measured)
 BASH = shutil.which("bash") or "/bin/bash"
-# Variables of an outer launcher that must not leak into the jobs.
-LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
-         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
-         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
 
 
 def _bash(script: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -159,25 +154,13 @@ def test_site_selection(tmp_path):
 
 # --------------------------------------------------------------------------- cluster
 @pytest.fixture(scope="module")
-def cluster():
-    c = start_slurm_cluster(nodes=1)
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("slurm-jobs")
 
 
 def _job_env(cluster: SlurmCluster, workdir: Path, **extra: str) -> dict[str, str | None]:
-    """What a user on a generic cluster exports before sbatch: the generic preset, this
-    test's python, and data/log directories outside the repository. Nothing about the
-    rendezvous: export_DDP_vars.sh finds an address of the first node that resolves."""
-    env: dict[str, str | None] = {k: None for k in LEAKY}
-    env.update(SITE="generic", PYTHON=sys.executable, LOG_DIR=str(workdir / "logs"))
-    env.update(extra)
-    return env
+    """The generic preset's environment, logs under `workdir` (helpers.generic_job_env)."""
+    return generic_job_env(**{"LOG_DIR": str(workdir / "logs"), **extra})
 
 
 def _out_opt(workdir: Path) -> str:

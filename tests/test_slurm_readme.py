@@ -14,20 +14,21 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, slurm_job_output, start_slurm_cluster
+from helpers import (
+    REPO,
+    generic_job_env,
+    preempt_slurm_job,
+    slurm_job_output,
+    start_slurm_cluster,
+)
 
 README = REPO / "README.md"
 MARKER = "<!-- cpu-sbatch-lines"
 BASH = shutil.which("bash") or "/bin/bash"
 ALL_JOBS_TIMEOUT = 1500  # s for the whole block (measured 9 min with 2 cores at load ~20)
-# Variables of an outer launcher or of the test machine that must not reach the jobs.
-LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
-         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
-         "PROFILE_OUTPUT", "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS", "TORCH_PROFILER_OUTPUT")
 
 
 def readme_block() -> str:
@@ -128,9 +129,9 @@ def test_readme_cpu_sbatch_block_runs_on_two_nodes_whose_names_do_not_resolve(
     try:
         for node in cluster.node_names:  # the premise: the names are not host names
             assert subprocess.run(["getent", "hosts", node], capture_output=True).returncode
-        env: dict[str, str | None] = {k: None for k in LEAKY}
-        env.update(PYTHON=sys.executable, DATA_DIR=str(cpu_data), LOG_DIR=str(logs),
-                   JOBS_FILE=str(jobs_file))
+        # The block sources site/generic.sh itself; SITE is what generic_job_env sets too.
+        env = generic_job_env(DATA_DIR=str(cpu_data), LOG_DIR=str(logs),
+                              JOBS_FILE=str(jobs_file))
         # `sbatch` records each job id; otherwise the block runs exactly as written.
         script = ('sbatch() { local out; out=$(command sbatch "$@") || return; '
                   'printf "%s\\n" "$out"; printf "%s\\n" "$out" >> "$JOBS_FILE"; }\n'
@@ -140,14 +141,16 @@ def test_readme_cpu_sbatch_block_runs_on_two_nodes_whose_names_do_not_resolve(
         jobs = _submitted(jobs_file)
         assert len(jobs) == len(lines), (jobs, r.stdout, r.stderr)
         by_line = dict(zip(lines, jobs, strict=True))
-        preempt = next(job for line, job in by_line.items() if "--signal=USR1" in line)
-        # Tasks get USR1 once training runs: what --signal sends before the time limit.
-        cluster.wait_output(preempt, "Memory after the first step", timeout=ALL_JOBS_TIMEOUT)
-        cluster.signal(preempt, "USR1")
+        # The preemption job first, while it trains: USR1 now, not 120 s before its limit.
+        preempt = next(line for line in lines if "--signal=USR1" in line)
+        outputs = {preempt: preempt_slurm_job(cluster, by_line[preempt], ALL_JOBS_TIMEOUT)[0]}
         for line, job in by_line.items():
-            _checks(line, slurm_job_output(cluster, job, ALL_JOBS_TIMEOUT), logs)
+            if line not in outputs:
+                outputs[line] = slurm_job_output(cluster, job, ALL_JOBS_TIMEOUT)
     finally:
         cluster.stop()
+    for line, out in outputs.items():
+        _checks(line, out, logs)
     # One run, one directory: the six cpu_short training jobs wrote six run directories.
     runs = [d for d in (logs / "cpu_short" / "1CPU").iterdir() if d.is_dir()]
     assert len(runs) == sum(1 for line in lines

@@ -17,12 +17,17 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import REPO, slurm_job_output, start_slurm_cluster
+from helpers import (
+    REPO,
+    SLURM_LEAKY_VARS,
+    generic_job_env,
+    slurm_job_output,
+    start_slurm_cluster,
+)
 from slurm_cluster import SlurmCluster, parse_fields
 
 from utils.rendezvous import RESOLVE_TIMEOUT_SEC
@@ -34,10 +39,6 @@ UNRESOLVABLE = "no-such-node.invalid"
 # A job start (srun, two Python interpreters importing torch) on a loaded 2-core machine;
 # the failing job must end within this plus the resolution bound.
 STARTUP_ALLOWANCE = 90.0
-# Variables of an outer launcher or site that must not leak into the jobs.
-LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
-         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
-         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS", "DIST_CONNECT_TIMEOUT_SEC")
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,8 @@ def cluster():
 def _env(workdir: Path, data: Path, name: str, **extra: str) -> dict[str, str | None]:
     """What a user exports on a generic cluster: the generic preset, a python, data and
     log directories; nothing about the rendezvous."""
-    env: dict[str, str | None] = {k: None for k in LEAKY}
-    env.update(SITE="generic", PYTHON=sys.executable, DATA_DIR=str(data),
-               LOG_DIR=str(workdir / name), OMP_NUM_THREADS="1", **extra)
-    return env
+    return generic_job_env(DATA_DIR=str(data), LOG_DIR=str(workdir / name),
+                           OMP_NUM_THREADS="1", **extra)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +118,7 @@ def test_an_unresolvable_ddp_master_addr_fails_in_seconds_with_one_line(cluster,
 
 def _master_addr(cluster: SlurmCluster, nodelist: str) -> str:
     """MASTER_ADDR as export_DDP_vars.sh sets it for a task of a job on `nodelist`."""
-    env = {k: v for k, v in cluster.env.items() if k not in LEAKY}
+    env = {k: v for k, v in cluster.env.items() if k not in SLURM_LEAKY_VARS}
     env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST=nodelist)
     done = subprocess.run(["bash", "-c", 'source ./export_DDP_vars.sh && echo "$MASTER_ADDR"'],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -13,7 +13,6 @@ packages); SLURM_TESTS_REQUIRED=1 turns that skip into a failure.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,9 @@ from helpers import (
     REPO,
     assert_same_state,
     final_checkpoint,
+    generic_job_env,
+    preempt_slurm_job,
     slurm_job_output,
-    start_slurm_cluster,
 )
 from slurm_cluster import SlurmCluster
 
@@ -30,24 +30,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ITERS = 96  # 12 epochs: the job is still training when the signal arrives
 JOB_TIMEOUT = 300  # seconds per job on a loaded 2-core machine (~30 s idle)
-# Variables of an outer launcher or site that must not leak into the jobs.
-LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
-         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
-         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = start_slurm_cluster(nodes=1)
-    yield c
-    c.stop()
 
 
 def _submit(cluster: SlurmCluster, workdir: Path, data: Path, name: str,
             extra_args: list[str]) -> int:
-    env: dict[str, str | None] = {k: None for k in LEAKY}
-    env.update(SITE="generic", PYTHON=sys.executable, DATA_DIR=str(data),
-               LOG_DIR=str(workdir / name), OMP_NUM_THREADS="1")
+    env = generic_job_env(DATA_DIR=str(data), LOG_DIR=str(workdir / name),
+                          OMP_NUM_THREADS="1")
     args = ["--config=tiny", f"--num_iters={ITERS}", "--checkpoint_interval=0", *extra_args]
     return cluster.submit("submit_pm.sh", args, env=env, cwd=str(REPO),
                           sbatch_opts=["--open-mode=append", f"--job-name=requeue-{name}",
@@ -58,16 +46,7 @@ def test_usr1_checkpoints_requeues_and_the_rerun_resumes_exactly(cluster, tiny_d
                                                                    tmp_path):
     reference = _submit(cluster, tmp_path, tiny_data, "reference", [])
     preempted = _submit(cluster, tmp_path, tiny_data, "preempted", ["--requeue"])
-    try:
-        cluster.wait_output(preempted, "Starting training loop", timeout=JOB_TIMEOUT)
-    except TimeoutError as e:
-        pytest.fail(str(e))
-    cluster.signal(preempted, "USR1")  # what `sbatch --signal=USR1@<seconds>` sends
-
-    out = slurm_job_output(cluster, preempted, JOB_TIMEOUT)
-    stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
-    assert stopped, out[-4000:]
-    k = int(stopped.group(1))
+    out, k = preempt_slurm_job(cluster, preempted, JOB_TIMEOUT)
     assert 1 <= k < ITERS
     assert f"SLURM job {preempted} requeued" in out
     assert "SLURM restart 1 of a --requeue job: resuming" in out  # no --resume needed

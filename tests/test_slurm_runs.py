@@ -12,14 +12,11 @@ packages); SLURM_TESTS_REQUIRED=1 turns that skip into a failure.
 from __future__ import annotations
 
 import os
-import re
-import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, slurm_job_output, start_slurm_cluster
+from helpers import REPO, generic_job_env, preempt_slurm_job, slurm_job_output
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
@@ -32,30 +29,10 @@ LONG_ITERS = 64  # 8 epochs: still training when the signal arrives
 # The preempted job's flags differ only in how long and how it is kept: the same run label.
 LONG = ["--config=tiny", f"--num_iters={LONG_ITERS}", "--checkpoint_interval=0", "--requeue"]
 JOB_TIMEOUT = 300  # seconds per job on a loaded 2-core machine (~20 s idle)
-# Variables of an outer launcher or site that must not leak into the jobs.
-LEAKY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DDP_MASTER_ADDR",
-         "SITE", "SITE_LAUNCHER", "SITE_SRUN_ARGS", "SITE_MASTER_IFACE", "ENABLE_PROFILING",
-         "TRAIN_SCRIPT", "ENABLE_CUDA_GRAPHS")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = start_slurm_cluster(nodes=1)
-    yield c
-    c.stop()
 
 
 def job_env(cluster, data: Path, log_dir: Path) -> dict[str, str | None]:
-    """What a user on a generic cluster exports before sbatch: the generic preset, this
-    test's python, and data/log directories outside the repository."""
-    env: dict[str, str | None] = {k: None for k in LEAKY}
-    env.update(SITE="generic", PYTHON=sys.executable, DATA_DIR=str(data), LOG_DIR=str(log_dir),
-               OMP_NUM_THREADS="1")
-    try:
-        socket.gethostbyname(cluster.node_names[0])
-    except OSError:  # node names that are not host names: rendezvous on loopback
-        env["DDP_MASTER_ADDR"] = "127.0.0.1"
-    return env
+    return generic_job_env(DATA_DIR=str(data), LOG_DIR=str(log_dir), OMP_NUM_THREADS="1")
 
 
 def tensorboard_runs(log_dir: Path) -> list[str]:
@@ -84,15 +61,8 @@ def test_two_jobs_of_one_line_are_two_runs_and_a_requeued_job_resumes_its_own(
                                          f"tiny/1CPU/job{second}/logs"]
 
     preempted = submit(LONG, "--open-mode=append")
-    try:
-        cluster.wait_output(preempted, "Starting training loop", timeout=JOB_TIMEOUT)
-    except TimeoutError as e:
-        pytest.fail(str(e))
-    cluster.signal(preempted, "USR1")  # what `sbatch --signal=USR1@<seconds>` sends
-    out = slurm_job_output(cluster, preempted, JOB_TIMEOUT)
-    stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
-    assert stopped, out[-4000:]
-    k, own = int(stopped.group(1)), runs / f"job{preempted}"
+    out, k = preempt_slurm_job(cluster, preempted, JOB_TIMEOUT)
+    own = runs / f"job{preempted}"
     assert f"SLURM job {preempted} requeued" in out
     assert f"Run directory {own} (a new run)" in out
     assert f"Run directory {own} (SLURM restart 1 of job {preempted}: its own run)" in out
