@@ -115,11 +115,11 @@ def med(values: list[float], fmt: str = "{:.1f}") -> str:
 def payoff(compile_s: float, eager: Result, compiled: Result) -> str:
     """Steps after which the compiled job has caught up with the eager one."""
     if not (eager.samples_per_s and compiled.samples_per_s):
-        return "-"
+        return "- (no epoch after the first to time steps in)"
     step_eager = compiled.batch / statistics.median(eager.samples_per_s)
     step_compiled = compiled.batch / statistics.median(compiled.samples_per_s)
     saved = step_eager - step_compiled
-    return f"{compile_s / saved:.0f}" if saved > 0 else "never (no faster per step)"
+    return f"{compile_s / saved:.0f}" if saved > 0 else "no (its steps were not faster)"
 
 
 def print_table(results: dict[str, Result], num_iters: int, rounds: int) -> None:
@@ -137,9 +137,9 @@ def print_table(results: dict[str, Result], num_iters: int, rounds: int) -> None
     for label in ("compiled, cold cache", "compiled, warm cache"):
         r = results[label]
         if r.compile_total:
-            print(f"{label}: compiling pays for itself after "
-                  f"{payoff(statistics.median(r.compile_total), eager, r)} iterations "
-                  "(compile time / step time saved against eager bf16)")
+            print(f"{label}: iterations after which compiling pays for itself (compile "
+                  f"time / step time saved against eager bf16): "
+                  f"{payoff(statistics.median(r.compile_total), eager, r)}")
 
 
 def main(argv: list[str] | None = None) -> None:
