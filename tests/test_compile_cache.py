@@ -39,12 +39,14 @@ def startup_scalars(log_dir: Path) -> dict[str, float]:
 @pytest.mark.e2e
 def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_root(
         run_train, tmp_path):
+    """Jobs of two data-parallel ranks (DDP), which share the cache: the first compiles and
+    fills it, the second finds every graph there."""
     logs = tmp_path / "logs"
     # Two epochs: validation runs before step 1 and after each epoch. "" = not set by the
     # user (a developer's own TORCHINDUCTOR_CACHE_DIR must not hide the default).
     args = ["--config=tiny", f"--num_iters={2 * TINY_ITERS_PER_EPOCH}", "--enable_jit"]
     env = {CACHE_ENV: "", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool
-    cold = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600)
+    cold = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
     assert_completed(cold, 2 * TINY_ITERS_PER_EPOCH, epochs=2)
     first, whole = compile_lines(cold.stdout)
     assert first.group(4) == str(logs / CACHE_SUBDIR)
@@ -61,9 +63,10 @@ def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_r
     assert scalars["Startup/torch.compile [s]"] == pytest.approx(float(first.group(2)), abs=0.05)
     assert float(first.group(1)) > float(first.group(2)) > 0
 
-    warm = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600)
-    assert_completed(warm, 2 * TINY_ITERS_PER_EPOCH, epochs=2)
+    warm = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
+    assert_completed(warm, 2 * TINY_ITERS_PER_EPOCH)
     first, whole = compile_lines(warm.stdout)
+    assert first.group(4) == str(logs / CACHE_SUBDIR)
     hits, misses = int(first.group(5)), int(first.group(6))
     assert misses == 0 and hits > 0, first.group(0)  # every graph came from the cache
     assert whole.group(2) == first.group(3)

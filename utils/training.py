@@ -70,6 +70,8 @@ def wrap_model(model: torch.nn.Module, params: Any, device: torch.device) -> tor
     then torch.compile. On a GPU, DDP is built on a side stream: CUDA-graph capture of the
     full backward requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel")
     and it costs nothing otherwise."""
+    if params.enable_jit:  # before DDP, whose constructor already asks Inductor for its cache
+        use_compile_cache(params.expdir)  # compiled once per config, not once per job
     if comm.get_size("dp") > 1 and not params.noddp:
         side = torch.cuda.Stream() if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -82,7 +84,6 @@ def wrap_model(model: torch.nn.Module, params: Any, device: torch.device) -> tor
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
     if params.enable_jit:
-        use_compile_cache(params.expdir)  # compiled once per config, not once per job
         model = torch.compile(model)
     return model
 

@@ -30,8 +30,9 @@ CACHE_SUBDIR = "torch_compile_cache"
 
 def use_compile_cache(expdir: str) -> str:
     """Point Inductor's caches at `<expdir>/torch_compile_cache` unless TORCHINDUCTOR_CACHE_DIR
-    is set; returns the directory in use. Must run before the first compiled call (Inductor
-    reads the variable when it first looks for a cached graph, not at import)."""
+    is set; returns the directory in use. Must run before anything asks Inductor for its
+    cache directory: the first compiled call, and (PyTorch 2.13) constructing DDP. Inductor
+    then sets the variable to its /tmp default, and every later caller keeps that."""
     if not os.environ.get(CACHE_ENV):
         os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR))
     return os.environ[CACHE_ENV]
