@@ -43,4 +43,8 @@ export PYTHON
 # Data (train/valid/test/stats, e.g. from `make data`) and logs; both replace the config's paths.
 export DATA_DIR="${DATA_DIR:-$_repo/data/synthetic}"
 export LOG_DIR="${LOG_DIR:-$_repo/logs}"
+# torch.compile's caches (--enable_jit, e.g. cpu_short_opt): unset, they live in
+# $LOG_DIR/torch_compile_cache, which every task and every later job of the same config reuse.
+# Set a directory on a file system all nodes see, e.g. one per project:
+# export TORCHINDUCTOR_CACHE_DIR=/shared/project/torch_compile_cache
 unset _repo _name

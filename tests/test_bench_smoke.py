@@ -91,6 +91,24 @@ def test_bench_reference_compares_each_reference_choice(bench_data: Path) -> Non
     assert rows["ours"].endswith("| 1.000 |")
 
 
+@pytest.mark.e2e
+def test_bench_job_times_whole_jobs_with_a_cold_and_a_warm_compile_cache(bench_data: Path
+                                                                          ) -> None:
+    proc = run_bench("bench.bench_job", ["--opt_config", "tiny", "--num_iters", "2",
+                                         "--rounds", "1"], bench_data, timeout=600,
+                     env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})  # no compile worker pool
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert {"eager fp32", "eager bf16 + fused + prefetch", "compiled, cold cache",
+            "compiled, warm cache"} <= set(rows), proc.stdout[-3000:]
+    hits = rows["job"].index("cache hits")
+    assert rows["compiled, cold cache"][hits] == "0"  # a fresh cache: everything compiled
+    assert int(rows["compiled, warm cache"][hits]) > 0  # the second job found the graphs
+    assert rows["eager fp32"][hits] == "-"
+    assert all(float(rows[job][1]) > 0 for job in rows if job != "job")  # wall times
+    assert "iterations after which compiling pays for itself" in proc.stdout
+
+
 def tiny_vit() -> VisionTransformer:
     torch.manual_seed(0)
     return VisionTransformer(img_size=TINY_IMG_SIZE, patch_size=4, in_chans=20, out_chans=20,

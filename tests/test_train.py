@@ -132,16 +132,7 @@ def test_fp16_autocast_with_grad_scaler_and_fused_adam(run_train):
     assert config_value(run, "enable_fused") == "True"
 
 
-@pytest.mark.e2e
-def test_torch_compile_run(run_train):
-    # One compile thread: no worker pool to start on a small machine. The first run on a
-    # machine compiles from scratch (tens of seconds); torch's on-disk cache speeds up later
-    # runs.
-    run = run_train("train.py", ["--config=tiny", f"--num_iters={ITERS_PER_EPOCH}",
-                                 "--enable_jit"],
-                    env_extra={"TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=600)
-    assert_completed(run, ITERS_PER_EPOCH, epochs=1)
-    assert config_value(run, "enable_jit") == "True"
+# torch.compile runs (cold and warm cache, what they log): test_compile_cache.py
 
 
 def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_path):

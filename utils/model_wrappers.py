@@ -14,3 +14,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model.module
         else:
             return model
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module torch.compile wrapped (DDP stays), or `model` when it is not compiled."""
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,85 @@
+"""torch.compile's cost is shown and paid once: a run logs its time to the first step and
+its compile time (and puts both in TensorBoard); Inductor's caches live under the log root,
+so a second job of the same config finds every graph there; validation compiles nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from helpers import TINY_ITERS_PER_EPOCH, assert_completed
+
+from utils.run.compile_cost import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
+
+FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started; torch\.compile "
+                        r"([\d.]+) s for (\d+) graphs \(compile cache (.+): (\d+) hits, "
+                        r"(\d+) misses\)")
+WHOLE_RUN = re.compile(r"Whole run: torch\.compile ([\d.]+) s for (\d+) graphs \(compile cache "
+                       r".+: (\d+) hits, (\d+) misses\)")
+
+
+def compile_lines(stdout: str) -> tuple[re.Match, re.Match]:
+    first, whole = FIRST_STEP.search(stdout), WHOLE_RUN.search(stdout)
+    assert first and whole, stdout[-3000:]
+    return first, whole
+
+
+def startup_scalars(log_dir: Path) -> dict[str, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = log_dir.rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"]
+            if tag.startswith("Startup/")}
+
+
+@pytest.mark.e2e
+def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_root(
+        run_train, tmp_path):
+    """Jobs of two data-parallel ranks (DDP), which share the cache: the first compiles and
+    fills it, the second finds every graph there."""
+    logs = tmp_path / "logs"
+    # Two epochs: validation runs before step 1 and after each epoch. "" = not set by the
+    # user (a developer's own TORCHINDUCTOR_CACHE_DIR must not hide the default).
+    args = ["--config=tiny", f"--num_iters={2 * TINY_ITERS_PER_EPOCH}", "--enable_jit"]
+    env = {CACHE_ENV: "", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool
+    cold = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
+    assert_completed(cold, 2 * TINY_ITERS_PER_EPOCH, epochs=2)
+    first, whole = compile_lines(cold.stdout)
+    assert first.group(4) == str(logs / CACHE_SUBDIR)
+    assert int(first.group(5)) == 0 and int(first.group(6)) > 0  # compiled from scratch
+    assert any((logs / CACHE_SUBDIR).rglob("*")), "nothing was written to the cache"
+    # Validation, before step 1 and after each epoch, runs the model eagerly: no graph is
+    # compiled after the first step, none for evaluation before it (those are counted in
+    # the first line: the model's training graph and the loss).
+    assert whole.group(2) == first.group(3), (first.group(0), whole.group(0))
+    assert float(whole.group(1)) == pytest.approx(float(first.group(2)), abs=0.05)
+    scalars = startup_scalars(logs)
+    assert scalars["Startup/time to first step [s]"] == pytest.approx(float(first.group(1)),
+                                                                     abs=0.05)
+    assert scalars["Startup/torch.compile [s]"] == pytest.approx(float(first.group(2)), abs=0.05)
+    assert float(first.group(1)) > float(first.group(2)) > 0
+
+    warm = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
+    assert_completed(warm, 2 * TINY_ITERS_PER_EPOCH)
+    first, whole = compile_lines(warm.stdout)
+    assert first.group(4) == str(logs / CACHE_SUBDIR)
+    hits, misses = int(first.group(5)), int(first.group(6))
+    assert misses == 0 and hits > 0, first.group(0)  # every graph came from the cache
+    assert whole.group(2) == first.group(3)
+
+
+def test_a_compile_cache_chosen_by_the_user_or_the_site_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "site_cache"))
+    assert use_compile_cache(str(tmp_path / "logs")) == str(tmp_path / "site_cache")
+    assert os.environ[CACHE_ENV] == str(tmp_path / "site_cache")
+    monkeypatch.delenv(CACHE_ENV)
+    expected = str(tmp_path / "logs" / CACHE_SUBDIR)
+    assert use_compile_cache(str(tmp_path / "logs")) == expected
+    assert os.environ[CACHE_ENV] == expected  # where Inductor looks, set before it compiles
+    monkeypatch.chdir(tmp_path)  # a relative log root (the configs' `logs`) made absolute
+    monkeypatch.delenv(CACHE_ENV)
+    assert use_compile_cache("logs") == expected
