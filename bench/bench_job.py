@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     from utils.hardware import cpu_name  # after argparse: --help stays fast
 
     print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f} at the start")
-    results = {job.label: Result() for job in jobs(args.config, args.opt_config or
-                                                   f"{args.config}_opt")}
+    plan = jobs(args.config, args.opt_config or f"{args.config}_opt")
+    results = {job.label: Result() for job in plan}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_job_cache_") as cache:
-            for job in jobs(args.config, args.opt_config or f"{args.config}_opt"):
+            for job in plan:
                 run_job(job, args.num_iters, cache, results[job.label])
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print_table(results, args.num_iters, args.rounds)

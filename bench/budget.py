@@ -5,12 +5,13 @@ time the measurements need."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from utils.run.compile_cost import process_age
 
 
 class OverBudget(Exception):
@@ -68,18 +69,6 @@ class Budget:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-
-
-def process_age() -> float:
-    """Seconds since this process started (Linux; 0 where /proc cannot tell)."""
-    try:
-        with open("/proc/self/stat") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _caused_by_alarm(e: BaseException | None) -> bool:

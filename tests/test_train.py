@@ -117,19 +117,15 @@ def short_run(run_train, *flags: str):
 
 
 @pytest.mark.e2e
-def test_bf16_autocast_with_two_data_workers(run_train):
-    run = short_run(run_train, "--amp_mode=bf16", "--num_data_workers=2")
+@pytest.mark.parametrize("flags, resolved", [
+    (("--amp_mode=bf16", "--num_data_workers=2"), {"amp_mode": "bf16", "num_data_workers": "2"}),
+    (("--amp_mode=fp16", "--enable_fused"), {"amp_mode": "fp16", "enable_fused": "True"}),
+], ids=["bf16_autocast_with_two_data_workers", "fp16_autocast_with_grad_scaler_and_fused_adam"])
+def test_precision_and_loader_flags_train_and_reach_the_config(run_train, flags, resolved):
+    run = short_run(run_train, *flags)
     assert_completed(run, ITERS_PER_EPOCH, epochs=1)
-    assert config_value(run, "amp_mode") == "bf16"
-    assert config_value(run, "num_data_workers") == "2"
-
-
-@pytest.mark.e2e
-def test_fp16_autocast_with_grad_scaler_and_fused_adam(run_train):
-    run = short_run(run_train, "--amp_mode=fp16", "--enable_fused")
-    assert_completed(run, ITERS_PER_EPOCH, epochs=1)
-    assert config_value(run, "amp_mode") == "fp16"
-    assert config_value(run, "enable_fused") == "True"
+    for key, value in resolved.items():
+        assert config_value(run, key) == value
 
 
 # torch.compile runs (cold and warm cache, what they log): test_compile_cache.py

@@ -82,3 +82,9 @@ def _mpi_spans_nodes(env: Mapping[str, str], rank: int, local: int) -> bool:
     if local_size.isdigit() and world.isdigit() and int(local_size) < int(world):
         return True
     return local != rank
+
+
+def slurm_restarts(environ: Mapping[str, str] | None = None) -> int:
+    """How often SLURM has requeued this job (SLURM_RESTART_COUNT; 0: the first run)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("SLURM_RESTART_COUNT", "0") or 0)

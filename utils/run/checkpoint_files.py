@@ -23,6 +23,7 @@ import torch
 
 from utils import comm
 from utils.errors import CheckpointError
+from utils.launch_env import slurm_restarts
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def resolve_resume(resume: str | None, exp_dir: str, requeue: bool = False) -> s
     """
     choice, error = None, None
     if comm.get_world_rank() == 0:
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        restarts = slurm_restarts()
         if resume is None and requeue and restarts > 0:
             log.info(f"SLURM restart {restarts} of a --requeue job: resuming")
             resume = "auto"

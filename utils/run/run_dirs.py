@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from utils.launch_env import slurm_restarts
 from utils.run.checkpoint_files import latest_checkpoint
 
 # Config-key flags that say how long a run is or how it is kept, not what it trains.
@@ -71,10 +72,6 @@ class RunChoice:
     name: str  # reused: the run's name; new: the first base to try (`create_run`)
     new: bool
     why: str  # for the log line that names the run directory
-
-
-def slurm_restarts(environ: Mapping[str, str]) -> int:
-    return int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def choose_run(parent: str, label: str, *, run_num: str | None, resume: str | None,

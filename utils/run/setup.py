@@ -53,15 +53,23 @@ def resolve_run_num(params: Any, world_size: int, device: torch.device) -> str:
             if choice.new:
                 choice.name = create_run(parent, choice.name, label)
         except OSError as e:
-            error = f"cannot write the run directory {target} ({e.strerror or e}; " \
-                    f"{free_space(parent)}): set LOG_DIR (or expdir in the config) to a " \
-                    "writable directory with free space"
+            error = _unwritable(target, parent, e)
     choice, error = comm.broadcast_from_rank0((choice, error))
+    _stop_with_rank0(error)
+    params.run_num = choice.name
+    return choice.why
+
+
+def _unwritable(path: str, near: str, e: OSError) -> str:
+    return (f"cannot write the run directory {path} ({e.strerror or e}; {free_space(near)}): "
+            "set LOG_DIR (or expdir in the config) to a writable directory with free space")
+
+
+def _stop_with_rank0(error: str | None) -> None:
+    """Every rank raises rank 0's error (already broadcast), after a last barrier."""
     if error:
         comm.settle()  # the broadcast's last traces are gone before the ranks exit
         raise ConfigError(error)
-    params.run_num = choice.name
-    return choice.why
 
 
 def seed_everything(seed: int) -> None:
@@ -111,13 +119,8 @@ def setup_run(params: Any, env: LaunchEnv, device: torch.device) -> str:
             os.makedirs(exp_dir, exist_ok=True)
             log_to_file(os.path.join(exp_dir, "out.log"))
         except OSError as e:
-            error = f"cannot write the run directory {exp_dir} ({e.strerror or e}; " \
-                    f"{free_space(exp_dir)}): set LOG_DIR (or expdir in the config) to a " \
-                    "writable directory with free space"
-    error = comm.broadcast_from_rank0(error)  # every rank stops with rank 0, none waits
-    if error:
-        comm.settle()  # the broadcast's last traces are gone before the ranks exit
-        raise ConfigError(error)
+            error = _unwritable(exp_dir, exp_dir, e)
+    _stop_with_rank0(comm.broadcast_from_rank0(error))  # every rank stops, none waits
     if world_rank == 0:
         log.info(f"Run directory {exp_dir} ({why})")
         log.info(describe_device(device))
