@@ -23,7 +23,7 @@
 # container without SLURM tools a pure-bash fallback handles the common forms:
 # `host`, `host1,host2`, `host[1-4]`, `host[01,03]`, `nid[001234-001237,001240]`; there
 # the first node's name is used as it is. The train script checks MASTER_ADDR before it
-# starts torch.distributed (utils/rendezvous.py): a name that does not resolve ends the job
+# starts torch.distributed (distributed/rendezvous.py): a name that does not resolve ends the job
 # within seconds, with one line saying to set DDP_MASTER_ADDR.
 
 _ddp_first_host() {

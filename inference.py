@@ -6,14 +6,16 @@ climatology.
     python inference.py --checkpoint logs/cpu_base/1CPU/00/checkpoints/ckpt_00001200.pt
     torchrun --nproc_per_node 2 inference.py --run_dir DIR  # initial conditions split (dp)
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
+    torchrun --nproc_per_node 2 inference.py --run_dir DIR --h_parallel_size 2  # AFNO mesh
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel at
 every lead is scored by latitude-weighted RMSE (physical units) and ACC, next to the two
 baselines: persistence (the initial state) and climatology (time_means). Checkpoints hold
 full tensors, so any checkpoint (train.py or train_mp.py, any layout) evaluates serially or
-with any --tp / --cp. Results go to <run dir>/forecast/: skill.csv, skill.json,
-skill_vs_lead.png, rollout_<channel>.png, TensorBoard events (tensorboard/) and inference.log.
+in any layout (distributed/layout.py: --tp / --cp for the ViT, an h x w mesh for the AFNO).
+Results go to <run dir>/forecast/: skill.csv, skill.json, skill_vs_lead.png,
+rollout_<channel>.png, TensorBoard events (tensorboard/) and inference.log.
 """
 
 from __future__ import annotations
@@ -32,14 +34,10 @@ import numpy as np
 import torch
 
 import networks
-from distributed.helpers import compute_split_shapes, shard_tensor
-from distributed.layers import DistributedLayers
-from utils import comm
-from utils.cli import add_model_parallel_args
-from utils.data.forecast import InitialCondition, RolloutData
-from utils.errors import CheckpointError, ConfigError
-from utils.evaluation import Normaliser
-from utils.forecast_skill import (
+from distributed import comm
+from distributed.helpers import compute_split_shapes
+from distributed.layout import MODEL_PARALLEL_KEYS, Layout
+from evaluation.forecast_skill import (
     FORECASTS,
     HEADLINE_CHANNELS,
     Skill,
@@ -50,13 +48,22 @@ from utils.forecast_skill import (
     write_csv,
     write_json,
 )
-from utils.precision import autocast
-from utils.rollout import rollout
-from utils.run.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint
-from utils.run.logging_utils import config_logger, log_to_file
-from utils.run.main import run_main
-from utils.run.run_dirs import newest_checkpointed
-from utils.YParams import YParams
+from evaluation.rollout import rollout
+from evaluation.scores import Normaliser, whole_field
+from training.checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_model_weights,
+    read_checkpoint,
+)
+from training.logs import config_logger, log_to_file
+from training.main import run_main
+from training.run_dirs import newest_checkpointed
+from utils.config import add_flags, read_config, saved_config
+from utils.config_schema import Config
+from utils.data.forecast import InitialCondition, RolloutData
+from utils.errors import CheckpointError, ConfigError
+from utils.precision import Precision, choose_precision
 
 log = logging.getLogger("inference")
 
@@ -76,13 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lead_steps", type=int, default=20, help="rollout steps (6 h each)")
     p.add_argument("--batch_size", type=int, default=8,
                    help="initial conditions rolled out together on each rank")
-    p.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], default=None,
-                   help="autocast precision (default: the training config's)")
     p.add_argument("--channels", nargs="+", default=[],
                    help=f"channels to print besides {', '.join(HEADLINE_CHANNELS)}")
     p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
     p.add_argument("--out", default=None, help="output directory (default <run dir>/forecast)")
-    return add_model_parallel_args(p)
+    # The evaluation's own layout (serial by default) and precision (default: the training
+    # config's), as the schema declares them.
+    return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
+                                                   "amp_mode"))
 
 
 # ------------------------------------------------------------------ which model, which config
@@ -98,8 +106,8 @@ def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) 
         return path
     if args.config is None:
         raise ConfigError("which model? give --run_dir RUN_DIR, --checkpoint FILE or --config NAME")
-    params = YParams(args.yaml_config, args.config)
-    pattern = os.path.join(params.expdir, args.config, "*", args.run_num or "*")
+    cfg = read_config(args.yaml_config, args.config)
+    pattern = os.path.join(cfg.expdir, args.config, "*", args.run_num or "*")
     runs = [r for r in sorted(glob.glob(pattern)) if latest_checkpoint(r)]
     if not runs:
         raise CheckpointError(f"no checkpoint in {pattern}/checkpoints: train the config "
@@ -114,38 +122,31 @@ def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) 
     return latest_checkpoint(run)
 
 
-class SavedParams(YParams):
-    """The config a run saved in its checkpoint; DATA_DIR / LOG_DIR relocate its paths as
-    they do for a YAML config."""
-
-    def __init__(self, saved: dict[str, Any], environ: dict[str, str] | None = None):
-        self.__dict__["_params"] = {}
-        self.update(saved)
-        self._apply_env(os.environ if environ is None else environ)
-
-
 def run_directory(checkpoint: str) -> str:
     """<exp_dir> of <exp_dir>/checkpoints/ckpt_*.pt (else the checkpoint's own directory)."""
     parent = os.path.dirname(os.path.abspath(checkpoint))
     return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
 
 
-def load_config(args: argparse.Namespace, path: str) -> tuple[Any, dict[str, Any]]:
-    """(params, checkpoint): the --config section (checked against the checkpoint) or the
-    config saved in the checkpoint, with the evaluation's own layout and precision."""
-    params = YParams(args.yaml_config, args.config) if args.config else None
-    ckpt = read_checkpoint(path, params)
-    if params is None:
+def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, Any]]:
+    """(config, checkpoint): the --config section (checked against the checkpoint) or the
+    config saved in the checkpoint, with the evaluation's own layout (serial unless the
+    flags say otherwise) and precision."""
+    cfg = read_config(args.yaml_config, args.config) if args.config else None
+    ckpt = read_checkpoint(path, cfg)
+    if cfg is None:
         if not isinstance(ckpt.get("params"), dict):
             raise ConfigError(f"{path} holds no config: give --config")
-        params = SavedParams(ckpt["params"])
-    # A train_mp.py run saved its tp/cp: the evaluation chooses its own (serial by default).
-    params.update({"tp": args.tp or 1, "cp": args.cp or 1,
-                   "amp_mode": args.amp_mode or params.get("amp_mode") or "none"})
-    if args.parallel_order:
-        params["parallel_order"] = args.parallel_order
-    check_args(args, params)
-    return params, ckpt
+        cfg = saved_config(ckpt["params"], where=path)
+    positive("--lead_steps", args.lead_steps)
+    positive("--batch_size", args.batch_size)
+    # A train_mp.py run saved its layout: the evaluation chooses its own. The schema checks
+    # that the sizes fit the model (e.g. tp divides the heads), as for training.
+    own = {key: getattr(args, key) or 1 for key in MODEL_PARALLEL_KEYS}
+    for key in ("parallel_order", "amp_mode"):
+        if getattr(args, key) is not None:
+            own[key] = getattr(args, key)
+    return cfg.replace(**own), ckpt
 
 
 def positive(name: str, value: Any) -> int:
@@ -154,38 +155,12 @@ def positive(name: str, value: Any) -> int:
     return int(value)
 
 
-def check_args(args: argparse.Namespace, params: Any) -> None:
-    positive("--lead_steps", args.lead_steps)
-    positive("--batch_size", args.batch_size)
-    tp, cp = positive("--tp", params.tp), positive("--cp", params.cp)
-    for key in ("num_heads", "embed_dim"):
-        if params[key] % tp:
-            raise ConfigError(f"{key} {params[key]} is not divisible by --tp {tp}")
-    H, W = params.img_size
-    if cp > (H // params.patch_size) * (W // params.patch_size):
-        raise ConfigError(f"--cp {cp} is larger than the model's number of tokens")
-
-
 # ------------------------------------------------------------------ the model
-def load_model(params: Any, ckpt: dict[str, Any], path: str,
-               device: torch.device) -> torch.nn.Module:
-    """The model of this layout (serial, or distributed layers when tp x cp > 1) with the
-    checkpoint's full tensors, each cut to this rank's shard (train_mp.py does the same)."""
-    layers = DistributedLayers() if comm.get_size("tp-cp") > 1 else None  # as train_mp.py
-    model = networks.build_model(params, layers=layers).to(device)
-    names = [n for n, _ in model.named_parameters()]
-    missing = [n for n in names if n not in ckpt["model"]]
-    unexpected = [n for n in ckpt["model"] if n not in names]
-    if missing or unexpected:
-        raise CheckpointError(f"{path} does not fit the model: missing "
-                              f"{missing[:1] or 'none'}, unexpected {unexpected[:1] or 'none'}")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = shard_tensor(ckpt["model"][name], p)  # the full tensor without tp/cp
-            if local.shape != p.shape:
-                raise CheckpointError(f"{path}: {name} has shape {tuple(local.shape)}, the "
-                                      f"model expects {tuple(p.shape)}")
-            p.copy_(local)
+def load_model(cfg: Config, ckpt: dict[str, Any], path: str, layout: Layout) -> torch.nn.Module:
+    """The model of this layout with the checkpoint's full tensors, each cut to this rank's
+    part (as a resumed training run does)."""
+    model = networks.build_model(cfg, layers=layout.layers).to(layout.device)
+    load_model_weights(model, ckpt["model"], layout, path)
     return model.eval()
 
 
@@ -202,23 +177,27 @@ def my_initial_conditions(ics: list[InitialCondition]) -> list[InitialCondition]
 
 
 def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialCondition],
-             lead_steps: int, batch_size: int, params: Any, norm: Normaliser,
-             device: torch.device, map_channel: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Sums of scores over `ics` (utils.forecast_skill.forecast_sums), and the first
-    rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W)."""
+             lead_steps: int, batch_size: int, layout: Layout, precision: Precision,
+             norm: Normaliser, map_channel: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Sums of scores over `ics` (evaluation.forecast_skill.forecast_sums), and the first
+    rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W). On a spatial
+    mesh every rank rolls out its tile (`data` reads only it) and the sums are the grid's."""
+    device, tile = layout.device, layout.tile
+    climatology = norm.climatology[..., tile.rows, tile.cols]
     # Allocated outside inference mode: the all-reduce later updates it in place.
-    sums = torch.zeros(len(FORECASTS), 2, lead_steps + 1, int(params.n_out_channels),
+    sums = torch.zeros(len(FORECASTS), 2, lead_steps + 1, norm.means.shape[1],
                        dtype=torch.float64, device=device)
     example = None
     for start in range(0, len(ics), batch_size):
         with torch.inference_mode():  # no autograd bookkeeping at all
-            truth = data.read(ics[start: start + batch_size], lead_steps).to(device)
-            with autocast(params, device):
+            truth = data.read(ics[start: start + batch_size], lead_steps, tile).to(device)
+            with precision.autocast():
                 preds = rollout(model, truth[:, 0], lead_steps)
             forecast = torch.cat([truth[:, :1], preds], dim=1)  # lead 0: the initial state
-            sums += forecast_sums(forecast, truth, norm.climatology)
+            sums += forecast_sums(forecast, truth, climatology, tile)
             if example is None:
-                example = torch.stack([truth[0, :, map_channel], forecast[0, :, map_channel]])
+                example = whole_field(torch.stack([truth[0, :, map_channel],
+                                                   forecast[0, :, map_channel]]), tile)
     return sums, example.cpu().numpy()
 
 
@@ -264,8 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     # user error stops every rank alike, with one line
     notes: list[str] = []
     path = locate_checkpoint(args, notes)
-    params, ckpt = load_config(args, path)
-    data = RolloutData(params, params.inf_data_path)
+    cfg, ckpt = load_config(args, path)
+    data = RolloutData(cfg, cfg.inf_data_path)
     channels = data.channel_names()
     for name in [*args.channels, args.map_channel]:
         if name not in channels:
@@ -275,26 +254,26 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(out_dir, exist_ok=True)
 
     # ---- processes, the model, this data-parallel rank's share of the initial conditions
-    env, device = comm.init_process(params.tp, params.cp, params.parallel_order)
+    layout = Layout.model_parallel(cfg)
     rank = comm.get_world_rank()
     config_logger(rank)
     if rank == 0:
         log_to_file(os.path.join(out_dir, "inference.log"))
     for note in notes:
         log.info(note)
-    log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {params.config}); "
-             f"layout tp {comm.get_size('tp')} x cp {comm.get_size('cp')} x dp "
-             f"{comm.get_size('dp')}; amp_mode {params.amp_mode}")
+    precision = choose_precision(cfg.amp_mode, layout.device)
+    log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {cfg.config}); "
+             f"{layout.describe()}; amp_mode {precision.mode}")
     mine = my_initial_conditions(ics)
-    model = load_model(params, ckpt, path, device)
-    norm = Normaliser(params, device)
-    log.info(f"{len(ics)} initial conditions from {params.inf_data_path} ({len(mine)} on "
+    model = load_model(cfg, ckpt, path, layout)
+    norm = Normaliser(cfg, layout.device)
+    log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
              f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each")
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
-    sums, example = evaluate(model, data, mine, args.lead_steps, args.batch_size, params, norm,
-                             device, channels.index(args.map_channel))
+    sums, example = evaluate(model, data, mine, args.lead_steps, args.batch_size, layout,
+                             precision, norm, channels.index(args.map_channel))
     comm.sum_over(sums, "dp")
     seconds = time.time() - start
     log.info(f"Rolled out {len(ics)} x {args.lead_steps} steps in {seconds:.1f} s "
@@ -308,9 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         c = channels.index(args.map_channel)
         maps = example * stds[c] + norm.means.flatten()[c].item()  # physical units
         metadata = {"checkpoint": os.path.abspath(path), "iteration": int(ckpt["iters"]),
-                    "config": params.config, "amp_mode": params.amp_mode,
-                    "layout": {g: comm.get_size(g) for g in ("tp", "cp", "dp")},
-                    "data": params.inf_data_path, "seconds": seconds,
+                    "config": cfg.config, "amp_mode": precision.mode,
+                    "layout": layout.sizes(), "data": cfg.inf_data_path, "seconds": seconds,
                     "initial_conditions": [ic.to_dict() for ic in ics]}
         report(skill, out_dir, [*HEADLINE_CHANNELS, *args.channels], maps,
                args.map_channel, metadata)

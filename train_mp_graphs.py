@@ -4,8 +4,9 @@
     ENABLE_CUDA_GRAPHS=1 sbatch --nodes 4 submit_pm_mp.sh --config=mp --tp=4
 
 A replay launches the whole forward/backward (and, without loss scaling, the optimizer
-step) as one graph: no Python and no per-kernel launch cost. What capture requires, and
-this file adds on top of train_mp.py:
+step) as one graph: no Python and no per-kernel launch cost. The graph holds the eager
+step's own body (`training.step.forward_backward`); what capture requires, and this file
+adds on top of train_mp.py:
   - capture before the loop iterates the data loaders, whose threads make CUDA calls of
     their own (pin memory, DALI prefetch): `prepare` warms up and captures on random data,
     then puts the model, optimizer and loss scale back as they were (so the run trains
@@ -21,9 +22,9 @@ Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
 if __name__ == "__main__":
-    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up now ends the
-    # run with one line and exit code 3 instead of killing it silently (utils/run/signals.py).
-    from utils.run.signals import stop_during_startup
+    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
+    # with one line and exit code 3, not silently (training/signals.py).
+    from training.signals import stop_during_startup
 
     stop_during_startup()
 
@@ -33,46 +34,38 @@ import sys
 import torch
 
 import train_mp
-from distributed import spatial_metrics
-from distributed.helpers import sync_shared_gradients
-from utils.evaluation import l2_loss
-from utils.precision import autocast
-from utils.run.main import run_main
-from utils.training import rollout_loss
+from training.main import run_main
+from training.run import Training
+from training.step import Step, forward_backward, optimizer_step
 
 log = logging.getLogger("train_mp_graphs")
 
 
-class GraphedStep:
+class GraphedStep(Step):
     """A `step` for train.train(): `prepare` captures the graph, each call replays it."""
+
+    capturable = True
 
     def __init__(self, warmup_iters: int = 20):
         self.warmup_iters = warmup_iters
 
-    def _body(self, run, inp, tar):
-        """What the graph holds: train_mp.py's step without the eager-only parts."""
-        loss_fn = spatial_metrics.l2_loss if run.tile is not None else l2_loss
-        with autocast(run.params, run.device):
-            if tar.dim() == inp.dim():
-                loss = loss_fn(run.model(inp), tar)
-            else:  # rollout_steps K > 1: the K-step loss (its K model calls in one graph)
-                loss = rollout_loss(run.model, inp, tar, loss_fn)
-        run.scaler.scale(loss).backward()
-        sync_shared_gradients(run.model)
+    def _body(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """What the graph holds: the eager step's body, and the optimizer step when no
+        loss scaling has to look at the gradients on the host first."""
+        loss = forward_backward(run, inp, tar)
         if not run.scaler.is_enabled():
             run.optimizer.step()
         return loss
 
-    def prepare(self, run) -> None:
+    def prepare(self, run: Training) -> None:
         """Warm up and capture on random data, then restore the run's state."""
-        device, p = run.device, run.params
+        device = run.device
         self.stream = torch.cuda.Stream(device)  # on this rank's GPU, after set_device
         saved = _snapshot(run)
         with torch.random.fork_rng(devices=[device]):
-            grid = run.tile.shape if run.tile is not None else p.img_size  # this rank's fields
-            shape = (int(p.local_batch_size), int(p.n_in_channels), *grid)
+            shape = (run.ctx.local_batch_size, run.cfg.n_in_channels, *run.layout.tile.shape)
             self.static_inp = torch.randn(shape, device=device)
-            steps = int(p.get("rollout_steps", 1) or 1)
+            steps = run.cfg.rollout_steps
             tar_shape = shape if steps == 1 else (shape[0], steps, *shape[1:])
             self.static_tar = torch.randn(tar_shape, device=device)
             self.stream.wait_stream(torch.cuda.current_stream(device))
@@ -80,8 +73,7 @@ class GraphedStep:
                 for _ in range(self.warmup_iters):
                     self._body(run, self.static_inp, self.static_tar)
                     if run.scaler.is_enabled():
-                        run.scaler.step(run.optimizer)
-                        run.scaler.update()
+                        optimizer_step(run, zero_grad=False)
                     run.optimizer.zero_grad(set_to_none=True)
             torch.cuda.current_stream(device).wait_stream(self.stream)
             log.info(f"Capturing the training step in a CUDA graph after {self.warmup_iters} "
@@ -94,20 +86,18 @@ class GraphedStep:
         torch.cuda.synchronize(device)
         _restore(run, saved)
 
-    def __call__(self, run, inp, tar):
+    def __call__(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         with run.prof.range("copy batch into static buffers"):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
         with run.prof.range("graph replay"):
             self.graph.replay()
-        if run.scaler.is_enabled():
-            with run.prof.range("optimizer"):
-                run.scaler.step(run.optimizer)
-                run.scaler.update()
+        if run.scaler.is_enabled():  # the replay wrote the gradients: keep them there
+            optimizer_step(run, zero_grad=False)
         return self.static_loss.detach().clone()
 
 
-def _snapshot(run) -> dict:
+def _snapshot(run: Training) -> dict:
     """Copies of everything warm-up changes: parameters, optimizer state, loss scale."""
     return {"model": [t.detach().clone() for t in run.model.state_dict().values()],
             "optimizer": {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
@@ -116,7 +106,7 @@ def _snapshot(run) -> dict:
 
 
 @torch.no_grad()
-def _restore(run, saved: dict) -> None:
+def _restore(run: Training, saved: dict) -> None:
     """Put the snapshot back *in place*: the graph holds these very tensors."""
     for t, old in zip(run.model.state_dict().values(), saved["model"], strict=True):
         t.copy_(old)
@@ -128,16 +118,16 @@ def _restore(run, saved: dict) -> None:
         run.scaler.load_state_dict(saved["scaler"])  # fills the scale tensor in place
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     argv, warmup = split_graph_args(argv)
     if not torch.cuda.is_available():
         log.warning("CUDA graphs need a GPU: no CUDA device here, so this runs train_mp.py's "
                     "step eagerly (same results, no graph capture)")
         return train_mp.main(argv)
-    return train_mp.main(argv, step=GraphedStep(warmup), capturable=True)
+    return train_mp.main(argv, step=GraphedStep(warmup))
 
 
-def split_graph_args(argv):
+def split_graph_args(argv: list[str] | None) -> tuple[list[str], int]:
     """Take --graph_warmup N (default 20) off the command line; the rest is train_mp.py's."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, a in enumerate(argv):

@@ -12,7 +12,7 @@ Every round runs these jobs one after the other (a fresh log directory each):
   compiled, warm    --config=<config>_opt again, with the cache the cold job just filled
                     (what a second submission of the same config finds)
 Per job: wall time (spawn to exit), time to the first step and the compile time the job
-logged (utils/run/compile_cost.py), the FX graph cache's hits, and samples/s of the epochs
+logged (training/compile_cost.py), the FX graph cache's hits, and samples/s of the epochs
 after the first. Medians over rounds are printed, and the iterations after which compiling
 pays for itself: compile time / (eager bf16 step time - compiled step time).
 The machine may be shared: rounds interleave the jobs, so that load hits all of them alike.
@@ -38,7 +38,7 @@ FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started"
                         r".*?(\d+) hits, (\d+) misses)?")
 WHOLE_RUN = re.compile(r"Whole run: torch\.compile ([\d.]+) s for (\d+) graphs")
 EPOCH = re.compile(r"Time taken for epoch (\d+) is [\d.]+ sec, avg ([\d.]+) samples/sec")
-BATCH = re.compile(r"global_batch_size: (\d+)")
+BATCH = re.compile(r"global batch (\d+), local batch")  # the run's, resolved at start
 
 
 @dataclass

@@ -18,22 +18,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
+from utils.config import read_config
+from utils.config_schema import Config
 from utils.data.loader import get_loader
-from utils.YParams import YParams
 
 LOADERS = ("pytorch", "pytorch+thread", "dali")
 
 
-def time_loader(params: Any, kind: str, workers: int, epochs: int) -> dict[str, float]:
+def time_loader(cfg: Config, batch_size: int, kind: str, workers: int, epochs: int
+                ) -> dict[str, float]:
     """Seconds to the first batch; median and best samples/s of epochs 2.. (epoch 1 includes
     the start-up). Best-of is the rate on a quiet machine; the median shows the noise."""
-    params.num_data_workers = workers
-    params.data_loader_config = "dali" if kind == "dali" else "pytorch"
-    params.prefetch_thread = kind == "pytorch+thread"
+    cfg = cfg.replace(num_data_workers=workers,
+                      data_loader_config="dali" if kind == "dali" else "pytorch",
+                      prefetch_thread=kind == "pytorch+thread")
     start = time.perf_counter()
-    loader, _, sampler = get_loader(params, params.train_data_path, train=True)
+    loader, _, sampler = get_loader(cfg, cfg.train_data_path, train=True,
+                                    batch_size=batch_size)
     first_batch, rates, cpu = None, [], []
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
@@ -65,11 +67,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="training step rate to compare the loaders with")
     args = p.parse_args(argv)
 
-    params = YParams(args.yaml_config, args.config)
-    params.local_batch_size = args.local_batch_size
-    H, W = params.img_size
-    print(f"config {args.config}: {params.train_data_path}, {H}x{W}, "
-          f"local batch {args.local_batch_size}, limit_nsamples {params.limit_nsamples}")
+    cfg = read_config(args.yaml_config, args.config)
+    H, W = cfg.img_size
+    print(f"config {args.config}: {cfg.train_data_path}, {H}x{W}, "
+          f"local batch {args.local_batch_size}, limit_nsamples {cfg.limit_nsamples}")
     header = (f"{'loader':<14} {'workers':>7} {'batches':>7} {'first batch s':>13} "
               f"{'samples/s median':>16} {'best':>7} {'own CPU ms/batch':>16}")
     if args.step_samples_per_sec:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     for kind in args.loaders:
         for workers in args.workers:
-            r = time_loader(params, kind, workers, args.epochs)
+            r = time_loader(cfg, args.local_batch_size, kind, workers, args.epochs)
             line = (f"{kind:<14} {workers:>7} {r['batches']:>7} {r['first_batch_s']:>13.2f} "
                     f"{r['median']:>16.1f} {r['best']:>7.1f} {r['cpu_ms']:>16.1f}")
             if args.step_samples_per_sec:

@@ -9,10 +9,12 @@ Without a GPU the batch is capped at CPU_BATCH (16) samples unless --local_batch
 table should take minutes, not an hour. The table header says which batch was used.
 
 For each tp the script starts `torchrun --nproc_per_node tp` on itself (world = tp, so dp = 1
-and every rank sees the whole batch). Each rank builds train_mp.py's model (the same
-layout-independent initial weights for every tp), Adam and the loss scaler as train_mp.py does,
-and times train_mp.py's `train_step` on one random batch kept in memory (the same batch on every
-rank, so the data loader is not part of the measurement). The table shows, per tp:
+and every rank sees the whole batch). Each rank joins the job and builds the model as
+train_mp.py does (`Layout.model_parallel`, `training.run.build_model`: the same
+layout-independent initial weights for every tp), Adam and the loss scaler
+(`training.run.build_training`), and times the training step (`training.step.Step`) on one
+random batch kept in memory (the same batch on every rank, so the data loader is not part of
+the measurement). The table shows, per tp:
 
   params/rank     parameters this rank holds (sharded attention/MLP matmuls + replicated rest)
   model state     16 bytes per parameter: fp32 weights, gradients, Adam's two moments
@@ -126,12 +128,12 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    import train_mp
-    from bench.common import find_data
-    from utils import comm
-    from utils.run.setup import peak_memory_gb
-    from utils.training import build_training
-    from utils.YParams import DATA_PATH_KEYS
+    from bench.common import data_paths, find_data
+    from distributed import comm
+    from distributed.layout import Layout
+    from training.run import build_model, build_training
+    from training.setup import peak_memory_gb, start_run
+    from utils.config import load_config
 
     torch.set_num_threads(args.threads)
     tp = args.tp[0]
@@ -142,28 +144,31 @@ def worker(args: argparse.Namespace) -> None:
     if args.amp_mode is not None:
         flags += ["--amp_mode", args.amp_mode]
     os.environ["LOG_DIR"] = tempfile.mkdtemp(prefix="bench_mp_logs_")  # run logs nobody reads
-    params, device = train_mp.setup(flags, "bench")  # as train_mp.py sets a run up
-    data = find_data(params) if comm.get_world_rank() == 0 else None
-    params.update(comm.broadcast_from_rank0({k: params[k] for k in DATA_PATH_KEYS}))
+    # As train_mp.py sets a run up: its config and flags, the job's layout, the run's start.
+    cfg = load_config(flags, "bench", model_parallel=True)
+    layout = Layout.model_parallel(cfg)  # joins the job: the tp x cp x h x w x dp groups
+    cfg, data = find_data(cfg) if comm.get_world_rank() == 0 else (cfg, None)
+    cfg = cfg.replace(**comm.broadcast_from_rank0(data_paths(cfg)))
+    ctx = start_run(cfg, layout)
     rss_init = rss_gb()
 
-    model = train_mp.build_model(params, device)
-    run = build_training(params, device, model)
+    model = build_model(cfg, layout)
+    run = build_training(cfg, ctx, layout, model)
     model.train()
-    shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
+    shape = (ctx.local_batch_size, cfg.n_in_channels, *cfg.img_size)
     gen = torch.Generator().manual_seed(1234)  # the same batch on every rank
-    inp = torch.randn(shape, generator=gen).to(device)
-    tar = torch.randn(shape, generator=gen).to(device)
+    inp = torch.randn(shape, generator=gen).to(layout.device)
+    tar = torch.randn(shape, generator=gen).to(layout.device)
 
     steps, cpu, comms, first_loss = time_steps(run, inp, tar, args.warmup, args.iters)
     mine = {"params": sum(p.numel() for p in model.parameters()), "rss_init": rss_init,
-            "peak": peak_memory_gb(device), "steps": steps, "cpu": cpu, "comms": comms,
-            "loss": first_loss, "batch": int(params.local_batch_size),
+            "peak": peak_memory_gb(layout.device), "steps": steps, "cpu": cpu, "comms": comms,
+            "loss": first_loss, "batch": ctx.local_batch_size,
             "threads": torch.get_num_threads()}
     everyone = from_every_rank(mine)
     if comm.get_world_rank() == 0:
         print(RESULT_TAG + json.dumps(summarise(tp, everyone)), flush=True)
-    run.close()
+    run.log.close()
     del model, run  # nothing may hold a group when comm.shutdown joins gloo's threads
     comm.shutdown()
     if data is not None:
@@ -177,7 +182,9 @@ def time_steps(run: Any, inp: Any, tar: Any, warmup: int, iters: int
     import torch
     import torch.distributed as dist
 
-    import train_mp
+    from training.step import Step
+
+    step = Step()  # the step train_mp.py runs
 
     def sync() -> None:
         if run.device.type == "cuda":
@@ -192,7 +199,7 @@ def time_steps(run: Any, inp: Any, tar: Any, warmup: int, iters: int
             dist.barrier()
         timer.seconds = 0.0
         start, start_cpu = time.perf_counter(), time.process_time()
-        loss = train_mp.mp_train_step(run, inp, tar).item()  # .item() waits for the device
+        loss = step(run, inp, tar).item()  # .item() waits for the device
         elapsed = time.perf_counter() - start
         first_loss = loss if first_loss is None else first_loss
         if i >= warmup:
@@ -284,13 +291,13 @@ def torchrun_result(module: str, nproc: int, worker_args: list[str], threads: in
 
 
 def model_summary(args: argparse.Namespace) -> tuple[str, int]:
-    from utils.YParams import YParams
+    from utils.config import read_config
 
-    p = YParams(args.yaml_config, args.config)
+    p = read_config(args.yaml_config, args.config)
     h, w = p.img_size
     text = (f"{h}x{w}, patch {p.patch_size}, embed {p.embed_dim}, depth {p.depth}, "
             f"{p.num_heads} heads, amp {args.amp_mode or p.amp_mode}")
-    return text, int(p.global_batch_size)
+    return text, p.global_batch_size
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -39,15 +39,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from bench.budget import Budget
 from bench.ceilings import sync
-from bench.common import find_data, machine_label
+from bench.common import config_of, find_data, machine_label
 from bench.step_runner import StepRunner
-from utils import comm
+from distributed.layout import Layout
+from training.step import forward_backward, optimizer_step
 from utils.allocator import keep_freed_memory
-from utils.cli import build_parser, load_params
-from utils.precision import autocast
-from utils.run.setup import set_batch_sizes
-from utils.training import train_step
-from utils.YParams import DATA_PATH_KEYS
+from utils.config import flag_parser
+from utils.config_schema import Config
 
 CHOICES = ("loader", "optimizer", "zero_grad", "loss_sync")
 VARIANTS: list[tuple[str, frozenset[str]]] = [
@@ -77,10 +75,10 @@ class PerSample(Dataset):
 class Variant(StepRunner):
     """A StepRunner whose step makes the reference's choices named in `flipped`."""
 
-    def __init__(self, label: str, params: Any, device: torch.device, flipped: frozenset):
+    def __init__(self, label: str, cfg: Config, layout: Layout, flipped: frozenset):
         if "optimizer" in flipped:
-            params.enable_fused = False  # `params` is this variant's own
-        super().__init__(label, params, device)
+            cfg = cfg.replace(enable_fused=False)
+        super().__init__(label, cfg, layout)
         self.flipped = flipped
         if "loader" in flipped:
             ours = self.loader
@@ -88,20 +86,17 @@ class Variant(StepRunner):
                                      sampler=self.sampler, num_workers=ours.num_workers,
                                      persistent_workers=ours.num_workers > 0,
                                      pin_memory=torch.cuda.is_available(), drop_last=True)
-        self.loss_sum = torch.zeros((), device=device)
+        self.loss_sum = torch.zeros((), device=self.device)
 
     def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        """`utils.training.train_step`; with zero_grad flipped, the same step with the
-        gradients zero-filled at its start instead of set to None at its end."""
+        """`training.step.Step`; with zero_grad flipped, the same step (`forward_backward`,
+        `optimizer_step`) with the gradients zero-filled at its start instead of set to None
+        at its end."""
         if "zero_grad" not in self.flipped:
-            return train_step(self.run, inp, tar)
-        run = self.run
-        run.optimizer.zero_grad(set_to_none=False)
-        with autocast(run.params, run.device):
-            loss = run.loss_fn(run.model(inp), tar)
-        run.scaler.scale(loss).backward()
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
+            return super()._step(inp, tar)
+        self.run.optimizer.zero_grad(set_to_none=False)
+        loss = forward_backward(self.run, inp, tar)
+        optimizer_step(self.run, zero_grad=False)
         return loss.detach()
 
     def block(self, n: int) -> float:
@@ -123,7 +118,7 @@ class Variant(StepRunner):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = build_parser(__doc__.splitlines()[0])
+    p = flag_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=4, help="full steps per block")
     p.add_argument("--repeats", type=int, default=8, help="interleaved rounds at most")
     p.add_argument("--budget_s", type=float, default=300.0,
@@ -134,22 +129,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
-    _, device = comm.init_process()
-    keep_freed_memory()  # as train.py's setup_run
-    params = load_params(args)
-    tmp = find_data(params)
-    paths = {k: params[k] for k in DATA_PATH_KEYS}
-    log_dir = tempfile.mkdtemp(prefix="bench_reference_logs_")
+    cfg = config_of(args)
+    layout = Layout.data_parallel(cfg)  # train.py's: joins the job, picks the device
+    keep_freed_memory()  # as training.setup.start_run
+    cfg, tmp = find_data(cfg)
+    cfg = cfg.replace(expdir=tempfile.mkdtemp(prefix="bench_reference_logs_"))
     variants = []
     for label, flipped in VARIANTS:
-        p = load_params(args)
-        p.update({**paths, "expdir": log_dir})
-        set_batch_sizes(p, 1)
-        v = Variant(label, p, device, flipped)
+        v = Variant(label, cfg, layout, flipped)
         v.block(2)  # warm-up (torch.compile compiles here)
         variants.append(v)
-    print(f"bench_reference: config {args.config}, amp {variants[0].params.amp_mode}, fused "
-          f"{bool(args.enable_fused)}, jit {bool(args.enable_jit)}; {machine_label(device)}")
+    print(f"bench_reference: config {args.config}, amp {variants[0].ctx.precision.mode}, "
+          f"fused {cfg.enable_fused}, jit {cfg.enable_jit}; {machine_label(layout.device)}")
     ratios: dict[str, list[float]] = {v.label: [] for v in variants}
     times: dict[str, list[float]] = {v.label: [] for v in variants}
     for rep in range(args.repeats):

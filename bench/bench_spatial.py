@@ -6,9 +6,11 @@ the AFNO's training step on h x w meshes.
     python -m bench.bench_spatial --volumes cpu_afno afno      # formulas: spatial vs tensor
 
 For each mesh the script starts `torchrun --nproc_per_node h*w` on itself (dp = 1: every mesh
-holds the whole batch, each rank its tile). Each rank builds train_mp.py's model and run
-(`SpatialLayers` when h x w > 1: the layout-independent initial weights), crops one random
-in-memory batch (the same on every rank) to its tile, and times train_mp.py's step on it.
+holds the whole batch, each rank its tile). Each rank builds the model and run as
+train_mp.py does (`Layout.model_parallel`, `training.run.build_model` and `build_training`:
+`SpatialLayers` when h x w > 1, the layout-independent initial weights), crops one random
+in-memory batch (the same on every rank) to its tile, and times the training step
+(`training.step.Step`, with the layout's loss and gradient sums) on it.
 The table shows, per mesh:
 
   params/rank     parameters this rank holds (pos_embed is split; everything else is whole)
@@ -136,17 +138,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import train_mp
-    from bench.common import find_data
-    from distributed import spatial_metrics
+    from bench.common import data_paths, find_data
+    from distributed import comm
     from distributed.fft import alltoall_bytes
-    from distributed.spatial import field_tile
-    from utils import comm
-    from utils.evaluation import l2_loss
+    from distributed.layout import Layout
+    from training.run import build_model, build_training
+    from training.setup import peak_memory_gb, start_run
+    from training.step import Step
+    from utils.config import load_config
     from utils.model_wrappers import unwrap
-    from utils.run.setup import peak_memory_gb
-    from utils.training import build_training
-    from utils.YParams import DATA_PATH_KEYS
 
     torch.set_num_threads(args.threads)
     h, w = parse_mesh(args.mesh[0])
@@ -154,18 +154,20 @@ def worker(args: argparse.Namespace) -> None:
              "--h_parallel_size", str(h), "--w_parallel_size", str(w),
              "--local_batch_size", str(args.local_batch_size)]
     os.environ["LOG_DIR"] = tempfile.mkdtemp(prefix="bench_spatial_logs_")
-    params, device = train_mp.setup(flags, "bench")  # as train_mp.py sets a run up
-    data = find_data(params) if comm.get_world_rank() == 0 else None
-    params.update(comm.broadcast_from_rank0({k: params[k] for k in DATA_PATH_KEYS}))
-    spatial = train_mp.is_spatial()
-    tile = field_tile(params.img_size, params.patch_size) if spatial else None
-    model = train_mp.build_model(params, device)
-    run = build_training(params, device, model, tile=tile)
-    step = train_mp.spatial_train_step if spatial else train_mp.mp_train_step
-    shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
+    # As train_mp.py sets a run up: its config and flags, the job's layout, the run's start.
+    cfg = load_config(flags, "bench", model_parallel=True)
+    layout = Layout.model_parallel(cfg)  # joins the job: the h x w mesh (and dp) groups
+    cfg, data = find_data(cfg) if comm.get_world_rank() == 0 else (cfg, None)
+    cfg = cfg.replace(**comm.broadcast_from_rank0(data_paths(cfg)))
+    ctx = start_run(cfg, layout)
+    model = build_model(cfg, layout)
+    run = build_training(cfg, ctx, layout, model)  # its loaders read the layout's tile
+    step = Step()  # the step train_mp.py runs: the layout's loss and gradient sums
+    shape = (ctx.local_batch_size, cfg.n_in_channels, *cfg.img_size)
     gen = torch.Generator().manual_seed(1234)  # the same batch on every rank
     inp, tar = (torch.randn(shape, generator=gen) for _ in range(2))
-    if tile is not None:
+    if layout.kind == "spatial":
+        tile = layout.tile
         inp, tar = (x[..., tile.rows, tile.cols].contiguous() for x in (inp, tar))
 
     counter, timer = ByteCounter(), CommTimer(lambda: None)  # CPU: nothing to synchronise
@@ -183,21 +185,21 @@ def worker(args: argparse.Namespace) -> None:
         comms.append(timer.seconds)
         loss = value if loss is None else loss
     sent = {"alltoall": counter.alltoall, "allreduce": counter.allreduce}  # the last step's
-    loss_fn = spatial_metrics.l2_loss if spatial else l2_loss
     transform = unwrap(model).blocks[0].filter.transform
     mine = {"params": sum(p.numel() for p in model.parameters()),
-            "activations": activation_bytes(run, inp, tar, loss_fn),
-            "peak": peak_memory_gb(device), "rss": rss_gb(),
+            "activations": activation_bytes(run, inp, tar, layout.loss),
+            "peak": peak_memory_gb(layout.device), "rss": rss_gb(),
             "steps": steps[args.warmup:], "comms": comms[args.warmup:], "loss": loss,
             **sent,
             "threads": torch.get_num_threads()}
     everyone = from_every_rank(mine)
     if comm.get_world_rank() == 0:
-        formula = 2 * params.depth * alltoall_bytes(
-            int(params.local_batch_size), transform.modes, params.embed_dim, (h, w),
-            transform.channel_sizes)
+        # one device's transform (1 x 1) has no channel split: the balanced one of 1
+        formula = 2 * cfg.depth * alltoall_bytes(
+            ctx.local_batch_size, transform.modes, cfg.embed_dim, (h, w),
+            getattr(transform, "channel_sizes", None))
         print(RESULT_TAG + json.dumps(summarise((h, w), everyone, formula)), flush=True)
-    run.close()
+    run.log.close()
     del model, run, transform  # nothing may hold a group when comm.shutdown joins gloo
     comm.shutdown()
     if data is not None:
@@ -254,9 +256,9 @@ def volumes(config: str, yaml_config: str, batch: int = 16) -> str:
     """Per-rank bytes per training step, spatial meshes vs tensor parallelism, for the
     dimensions of `config` and `batch` samples per model replica."""
     from networks.afno import count_parameters
-    from utils.YParams import YParams
+    from utils.config import read_config
 
-    p = YParams(yaml_config, config)
+    p = read_config(yaml_config, config)
     grid = (p.img_size[0] // p.patch_size, p.img_size[1] // p.patch_size)
     total = count_parameters(p.embed_dim, p.depth, p.patch_size, p.n_in_channels,
                              p.n_out_channels, grid, p.num_blocks, p.mlp_ratio)
@@ -310,15 +312,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from utils.YParams import YParams
+    from utils.config import read_config
 
     if args.volumes:
         print("\n\n".join(volumes(c, args.yaml_config) for c in args.volumes))
         return 0
 
-    p = YParams(args.yaml_config, args.config)
+    p = read_config(args.yaml_config, args.config)
     if args.local_batch_size is None:
-        args.local_batch_size = min(int(p.global_batch_size), CPU_BATCH)
+        args.local_batch_size = min(p.global_batch_size, CPU_BATCH)
     if args.worker:
         worker(args)
         return 0

@@ -10,9 +10,9 @@ Per setting:
     `torch.mm` (n = 2048, smaller or skipped where that precision is emulated), and the
     shape-true ceiling: exactly the GEMMs and attention calls of one of its training steps,
     replayed back to back;
-(b) bare step: train.py's `train_step` on one random batch kept in memory;
+(b) bare step: train.py's step (`training.step.Step`) on one random batch kept in memory;
 (c) full step: train.py's loop body: the next batch from the real loader (a new epoch when
-    one ends), copy in, `train_step`, scheduler step.
+    one ends), copy in, the step, scheduler step.
 In each of `--repeats` rounds every setting (in an order rotating from round to round)
 measures (a), then a block of `--iters` steps of (b) and of (c) (the blocks swap places each
 round). A block counts its median step;
@@ -22,9 +22,10 @@ setting's full step into GEMM / attention / elementwise+norm / optimizer / loade
 Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model work.
 `--budget_s` bounds the whole run, set-up included: settings that would not fit are skipped
 (a torch.compile that runs too long is interrupted), rounds stop when the next would overrun.
-Every setting is built by `utils.training.build_training` and steps with its `train_step`,
-exactly as train.py runs them. Without a data set under the config's data_dir (or DATA_DIR)
-the loader reads a small temporary one made by `utils.data.synthetic`.
+Every setting is started by `training.setup.start_run`, built by `training.run.build_model`
+and `build_training`, and steps with `training.step.Step`, exactly as train.py runs them.
+Without a data set under the config's data_dir (or DATA_DIR) the loader reads a small
+temporary one made by `utils.data.synthetic`.
 """
 
 from __future__ import annotations
@@ -47,16 +48,17 @@ import torch
 from bench import clock
 from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
-from bench.common import find_data, machine_label
+from bench.common import config_of, data_paths, find_data, machine_label
 from bench.report import Summary, print_report, print_split, print_table, summarise
 from bench.step_runner import StepRunner
+from distributed import comm
+from distributed.layout import Layout
 from networks import training_flops
-from utils import comm
+from training.setup import batch_sizes
 from utils.allocator import keep_freed_memory
-from utils.cli import build_parser, load_params
-from utils.precision import autocast_dtype, resolved
-from utils.run.setup import set_batch_sizes
-from utils.YParams import DATA_PATH_KEYS, load_yaml
+from utils.config import flag_parser, load_yaml
+from utils.config_schema import Config
+from utils.precision import auto_amp_mode, autocast_dtype
 
 # The --table ladder: each row adds one tutorial optimisation to the row above it. Then the
 # config's `_opt` relative as written (cpu_short -> cpu_short_opt), when there is one.
@@ -81,27 +83,29 @@ class Block:
     shape_true_s: float | None
 
 
-def case_params(args: argparse.Namespace, overrides: dict[str, Any],
-                data_paths: dict[str, str], log_dir: str, config: str | None = None) -> Any:
-    if config is not None:
-        args = argparse.Namespace(**{**vars(args), "config": config})
-    params = load_params(args)
-    params.update({**overrides, **data_paths, "expdir": log_dir})
-    set_batch_sizes(params, 1)
-    return params
+def resolved(amp_mode: str, device: torch.device) -> str:
+    """What `amp_mode` computes in on `device` ('auto': this hardware's choice)."""
+    return auto_amp_mode(device) if amp_mode == "auto" else amp_mode
 
 
-def ladder_cases(args: argparse.Namespace, data_paths: dict[str, str], log_dir: str,
-                 device: torch.device) -> list[tuple[str, Any]]:
+def case_config(args: argparse.Namespace, overrides: dict[str, Any], paths: dict[str, str],
+                log_dir: str, config: str | None = None) -> Config:
+    """The config of one setting: the flags given, then its `overrides`, on `paths`' data,
+    logging to `log_dir`."""
+    return config_of(args, config).replace(**{**overrides, **paths, "expdir": log_dir})
+
+
+def ladder_cases(args: argparse.Namespace, paths: dict[str, str], log_dir: str,
+                 device: torch.device) -> list[tuple[str, Config]]:
     cases, overrides = [], {}
     for label, change in LADDER:
         overrides = {**overrides, **change}
         if change.get("amp_mode") == "auto":
             label += f" ({resolved('auto', device)} here)"
-        cases.append((label, case_params(args, overrides, data_paths, log_dir)))
+        cases.append((label, case_config(args, overrides, paths, log_dir)))
     opt = f"{args.config}_opt"
     if opt in load_yaml(args.yaml_config):
-        p = case_params(args, {}, data_paths, log_dir, config=opt)
+        p = case_config(args, {}, paths, log_dir, config=opt)
         if describe(p, device) == describe(cases[-1][1], device):  # the ladder's top
             cases[-1] = (f"{cases[-1][0]} = {opt}", cases[-1][1])
         else:
@@ -109,21 +113,21 @@ def ladder_cases(args: argparse.Namespace, data_paths: dict[str, str], log_dir: 
     return cases
 
 
-def describe(p: Any, device: torch.device) -> str:
+def describe(p: Config, device: torch.device) -> str:
     amp = p.amp_mode if p.amp_mode != "auto" else f"auto -> {resolved('auto', device)}"
     loader = f"{p.data_loader_config} loader, workers {p.num_data_workers}"
-    if p.get("prefetch_thread"):
+    if p.prefetch_thread:
         loader += ", prefetch thread"
     return f"amp {amp}, fused {bool(p.enable_fused)}, jit {bool(p.enable_jit)}, {loader}"
 
 
-def set_up(cases: list[tuple[str, Any]], device: torch.device, budget: Budget,
+def set_up(cases: list[tuple[str, Config]], layout: Layout, budget: Budget,
            warmup: int, iters: int) -> list[StepRunner]:
     """Build and warm up each setting while the budget keeps room for one round of every
     setting built; a setting whose set-up (a torch.compile) would eat that room is
     interrupted and skipped."""
     runners: list[StepRunner] = []
-    for label, params in cases:
+    for label, cfg in cases:
         room = budget.left() - budget.reserve(runners, iters)
         if runners and room < budget.reserve(runners[-1:], iters):
             print(f"  skipped '{label}': its set-up and a round would overrun --budget_s",
@@ -132,7 +136,7 @@ def set_up(cases: list[tuple[str, Any]], device: torch.device, budget: Budget,
         start = time.perf_counter()
         try:
             with budget.alarm(room):
-                runner = StepRunner(label, params, device)
+                runner = StepRunner(label, cfg, layout)
                 runner.warm_up(warmup)
         except OverBudget:
             print(f"  skipped '{label}': set-up still running after {room:.0f} s would "
@@ -192,7 +196,7 @@ def time_splits(runners: list[StepRunner], budget: Budget) -> dict[str, dict[str
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = build_parser(__doc__.splitlines()[0])
+    p = flag_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=3,
                    help="timed steps per block: per setting and round, bare and full each")
     p.add_argument("--repeats", type=int, default=10,
@@ -215,23 +219,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
     clock.use(args.clock)
-    _, device = comm.init_process()
-    keep_freed_memory()  # as train.py's setup_run
-    base = load_params(args)
-    tmp = find_data(base)
-    data_paths = {k: base[k] for k in DATA_PATH_KEYS}
+    base = config_of(args)
+    layout = Layout.data_parallel(base)  # train.py's: joins the job, picks the device
+    device = layout.device
+    keep_freed_memory()  # as training.setup.start_run
+    base, tmp = find_data(base)
+    paths = data_paths(base)
     log_dir = tempfile.mkdtemp(prefix="bench_step_logs_")  # run logs nobody reads
     flops = training_flops(base)
     if args.table:
-        cases = ladder_cases(args, data_paths, log_dir, device)
+        cases = ladder_cases(args, paths, log_dir, device)
     else:
-        p = case_params(args, {}, data_paths, log_dir)
+        p = case_config(args, {}, paths, log_dir)
         cases = [(describe(p, device), p)]
-    print(f"bench_step: config {args.config}, batch {int(cases[0][1].local_batch_size)}, "
+    batch, _ = batch_sizes(cases[0][1], comm.get_size("dp"))
+    print(f"bench_step: config {args.config}, batch {batch}, "
           f"{flops / 1e9:.2f} GFLOP per training sample (analytic); {machine_label(device)}")
     dtypes = [autocast_dtype(resolved(p.amp_mode, device)) or torch.float32 for _, p in cases]
     mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
-    runners = set_up(cases, device, budget, args.warmup, args.iters)
+    runners = set_up(cases, layout, budget, args.warmup, args.iters)
     ceilings = shape_true_ceilings(runners, mm, budget)
     load_start = os.getloadavg()[0]
     results = measure(runners, mm, ceilings, args.iters, args.repeats, budget)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from utils.run.compile_cost import process_age
+from training.compile_cost import process_age
 
 
 class OverBudget(Exception):

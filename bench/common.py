@@ -1,7 +1,10 @@
-"""What the benchmarks share: a data set to read, and the machine they ran on."""
+"""What the benchmarks share: their config, a data set to read, a run started without its
+log lines, and the machine they ran on."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -12,22 +15,37 @@ from typing import Any
 
 import torch
 
+from distributed.layout import Layout
+from training.setup import RunContext, start_run
+from utils.config import DATA_PATH_KEYS, flags_given, read_config
+from utils.config_schema import Config
 from utils.data.synthetic import generate
 from utils.hardware import cpu_name
-from utils.YParams import DATA_PATH_KEYS
 
 
-def find_data(params: Any) -> tempfile.TemporaryDirectory | None:
-    """Point `params` at data to read: the config's (after DATA_DIR) when its training data
-    and stats exist, else a small temporary synthetic set of the same grid (returned, so the
-    caller keeps it alive until the benchmark ends)."""
+def config_of(args: argparse.Namespace, config: str | None = None) -> Config:
+    """The --config section (or `config`) of --yaml_config with the schema's flags given on
+    the command line (a parser of `utils.config.flag_parser`) on top."""
+    return read_config(args.yaml_config, config or args.config, flags=flags_given(args))
+
+
+def data_paths(cfg: Config) -> dict[str, str]:
+    """The config's data paths (`utils.config.DATA_PATH_KEYS`), to set on another config."""
+    return {k: getattr(cfg, k) for k in DATA_PATH_KEYS}
+
+
+def find_data(cfg: Config) -> tuple[Config, tempfile.TemporaryDirectory | None]:
+    """`cfg` pointed at data to read: the config's (after DATA_DIR) when its training data
+    and stats exist, else a small temporary synthetic set of the same grid (returned too, so
+    the caller keeps it alive until the benchmark ends)."""
     stats = ("global_means_path", "global_stds_path", "time_means_path")
-    if os.path.isdir(params.train_data_path) and all(os.path.isfile(params[k]) for k in stats):
-        return None
+    if os.path.isdir(cfg.train_data_path) and \
+            all(os.path.isfile(getattr(cfg, k)) for k in stats):
+        return cfg, None
     tmp = tempfile.TemporaryDirectory(prefix="bench_data_")
-    print(f"no data at {params.train_data_path}: timing a temporary synthetic data set "
+    print(f"no data at {cfg.train_data_path}: timing a temporary synthetic data set "
           "of the same grid", flush=True)
-    generate(tmp.name, img_size=tuple(params.img_size), samples_per_year=64, train_years=1,
+    generate(tmp.name, img_size=tuple(cfg.img_size), samples_per_year=64, train_years=1,
              valid_years=1, test_years=1)
     root = Path(tmp.name)
     where = {"train_data_path": root / "train", "valid_data_path": root / "valid",
@@ -36,8 +54,28 @@ def find_data(params: Any) -> tempfile.TemporaryDirectory | None:
              "global_means_path": root / "stats" / "global_means.npy",
              "global_stds_path": root / "stats" / "global_stds.npy"}
     assert set(where) == set(DATA_PATH_KEYS)
-    params.update({k: str(v) for k, v in where.items()})
-    return tmp
+    return cfg.replace(**{k: str(v) for k, v in where.items()}), tmp
+
+
+def start_quietly(cfg: Config, layout: Layout) -> RunContext:
+    """`training.setup.start_run` (seeds, batch sizes, precision, run directory) without
+    its info lines, and the logging set-up as it was before: a benchmark prints its own
+    report (warnings, e.g. an emulated precision, are still logged)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    logging.disable(logging.INFO)
+    try:
+        return start_run(cfg, layout)
+    finally:
+        logging.disable(logging.NOTSET)
+        for h in list(root.handlers):  # start_run's: stdout and the run's out.log
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
 
 
 def machine_label(device: torch.device) -> str:

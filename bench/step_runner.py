@@ -1,65 +1,69 @@
-"""One benchmark setting: a run built exactly as train.py builds it (`build_training`), its
-step (`train_step`), a random batch in memory for the bare step, and what its ceilings and
-profile need (the eager model, the precision it computes in)."""
+"""One benchmark setting: a run started and built exactly as train.py starts and builds it
+(`start_run`, `build_model`, `build_training`), its step (`training.step.Step`), a random
+batch in memory for the bare step, and what its ceilings and profile need (the eager model,
+the precision it computes in)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from torch.profiler import record_function
 
 from bench import clock
 from bench.ceilings import ShapeTrueCeiling, sync
+from bench.common import start_quietly
 from bench.time_split import LOADER_RANGE, profile_split
-from networks import build_model
-from utils.evaluation import l2_loss
-from utils.precision import autocast, autocast_dtype
-from utils.run.setup import seed_everything
-from utils.training import build_training, train_step, wrap_model
-
-
-def eager(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under torch.compile's and DDP's wrappers."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
+from distributed.layout import Layout
+from networks.loss import l2_loss
+from training.run import build_model, build_training
+from training.step import Step
+from utils.config_schema import Config
+from utils.model_wrappers import unwrap
 
 
 class StepRunner:
-    """One setting, built as train.py builds it, plus one random batch in memory."""
+    """One setting, built as train.py builds it, plus one random batch in memory.
 
-    def __init__(self, label: str, params: Any, device: torch.device):
-        self.label, self.params, self.device = label, params, device
-        seed_everything(params.seed)
-        model = wrap_model(build_model(params).to(device), params, device)
-        self.run = build_training(params, device, model)  # settles amp_mode 'auto'
+    `layout`: the job's layout (any config's); the setting gets its own, of `cfg` and the
+    same process groups and device (a layout's loss is compiled when `cfg` compiles)."""
+
+    def __init__(self, label: str, cfg: Config, layout: Layout, step: Step | None = None):
+        self.label, self.cfg = label, cfg
+        self.layout = Layout.of_groups(cfg, layout.env, layout.device)
+        self.device = self.layout.device
+        self.step = step or Step()
+        self.ctx = start_quietly(cfg, self.layout)  # seeds, batch sizes, precision, run dir
+        model = build_model(cfg, self.layout)  # the layout's layers; DDP; torch.compile
+        self.run = build_training(cfg, self.ctx, self.layout, model,
+                                  capturable=self.step.capturable)
+        self.step.prepare(self.run)
         self.model, self.scheduler = self.run.model, self.run.scheduler
         self.loader, self.sampler = self.run.train_loader, self.run.train_sampler
         self.model.train()
         self.epoch, self.batches = 0, iter(())
-        shape = (int(params.local_batch_size), int(params.n_in_channels), *params.img_size)
-        self.inp = torch.randn(shape, device=device)
-        self.tar = torch.randn(shape, device=device)
+        shape = (self.batch, cfg.n_in_channels, *cfg.img_size)
+        self.inp = torch.randn(shape, device=self.device)
+        self.tar = torch.randn(shape, device=self.device)
         self.step_s = float("nan")  # median full step of the warm-up: for budget estimates
 
     @property
     def dtype(self) -> torch.dtype:
         """The precision its GEMMs run in."""
-        return autocast_dtype(self.params.amp_mode) or torch.float32
+        return self.ctx.precision.dtype or torch.float32
 
     @property
     def batch(self) -> int:
-        return int(self.params.local_batch_size)
+        return self.ctx.local_batch_size
 
     @property
     def prefetched(self) -> int:
         """Batches the loader's workers hold ready; 0 without workers."""
-        workers = int(self.params.num_data_workers or 0)
+        workers = self.cfg.num_data_workers
         return workers * (getattr(self.loader, "prefetch_factor", None) or 2)
 
     def _step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        return train_step(self.run, inp, tar)
+        return self.step(self.run, inp, tar)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         with record_function(LOADER_RANGE):
@@ -81,7 +85,7 @@ class StepRunner:
         self.step_s = (time.perf_counter() - start) / n
 
     def bare(self, n: int) -> list[float]:
-        """Seconds of each of `n` `train_step`s on the in-memory batch."""
+        """Seconds of each of `n` training steps on the in-memory batch."""
         times = []
         for _ in range(n):
             start = clock.now()
@@ -112,10 +116,10 @@ class StepRunner:
     def record_ceiling(self) -> ShapeTrueCeiling:
         """The GEMMs and attention calls of one of its training steps (bench/ceilings.py),
         recorded from one eager forward and backward at its precision (not yet prepared)."""
-        model = eager(self.model)
+        model = unwrap(self.model)  # torch.compile's graphs hide the calls from the recorder
 
         def forward_backward() -> None:
-            with autocast(self.params, self.device):
+            with self.ctx.precision.autocast():
                 loss = l2_loss(model(self.inp), self.tar)
             loss.backward()
 
@@ -131,4 +135,4 @@ class StepRunner:
         close = getattr(self.loader, "close", None)
         if close is not None:  # DALI: stop its worker processes now
             close()
-        self.run.close()
+        self.run.log.close()

@@ -1,4 +1,4 @@
-"""The 2D real FFT of the AFNO filter, on one device or over the spatial mesh (h x w).
+"""The 2D real FFT of the AFNO filter over the spatial mesh (h x w).
 
 A token grid of H x W (rows = latitude, columns = longitude) with C channels, channels last.
 On the mesh, rank (i, j) holds rows chunk i (over the "h" group) and columns chunk j (over
@@ -23,11 +23,9 @@ is block-diagonal over channels, so it runs on any tile that holds whole channel
 two more all-to-alls per transform. Truncating before the second all-to-all also means the
 dropped column modes are never sent.
 
-Mode truncation (AFNO's hard thresholding, fraction f of the modes per axis): along the
-rfft axis keep k < KW = max(1, int(f (W//2 + 1))); along the full-FFT axis keep the rows
-whose frequency min(k, H - k) < kh = max(1, int(f (H//2 + 1))), i.e. KH = min(H, 2 kh - 1)
-rows: [0, kh) and [H - kh + 1, H). f = 1 keeps every mode. Each rank knows which global
-modes it holds from the split sizes alone: nothing is gathered to truncate.
+Mode truncation is networks/spectral.py's (the serial transform this one extends). Each
+rank knows which global modes it holds from the split sizes alone: nothing is gathered to
+truncate.
 
 Communication (gloo and NCCL both take uneven `all_to_all_single` splits; complex tensors
 are sent as (real, imag) pairs by torch). Per forward transform, rank (i, j) sends
@@ -41,14 +39,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distributed import comm
 from distributed.helpers import compute_split_shapes
-from utils import comm
+from networks import spectral
+from networks.spectral import Modes, kept_modes  # noqa: F401 - also this module's API
 
 
 def balanced_split(size: int, num_chunks: int) -> list[int]:
@@ -113,67 +112,19 @@ def transpose(x: torch.Tensor, group_name: str | None, split_dim: int, cat_dim: 
                             list(cat_sizes))
 
 
-# ------------------------------------------------------------------------ kept modes
-
-@dataclass(frozen=True)
-class Modes:
-    """The Fourier modes an (H, W) grid keeps: rows of frequency min(k, H - k) < kh along H
-    (full FFT), columns k < kw along W (real FFT)."""
-
-    grid: tuple[int, int]
-    kh: int
-    kw: int
-
-    @property
-    def rows(self) -> int:
-        """Number of kept rows, KH."""
-        return min(self.grid[0], 2 * self.kh - 1)
-
-    def kept_rows(self) -> list[int]:
-        """Global indices of the kept rows, in the order the spectrum stores them."""
-        H = self.grid[0]
-        return list(range(self.kh)) + list(range(H - self.rows + self.kh, H))
-
-
-def kept_modes(grid: tuple[int, int], fraction: float = 1.0) -> Modes:
-    """The modes AFNO's hard thresholding keeps: `fraction` of each axis' frequencies."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"hard_thresholding_fraction must be in (0, 1], got {fraction}")
-    H, W = grid
-    return Modes((H, W), max(1, int(fraction * (H // 2 + 1))),
-                 max(1, int(fraction * (W // 2 + 1))))
-
-
-def compact_rows(spec: torch.Tensor, modes: Modes) -> torch.Tensor:
-    """(B, H, ...) full-FFT rows -> (B, KH, ...) kept rows (lowest |frequency|)."""
-    if modes.rows == modes.grid[0]:
-        return spec
-    kh = modes.kh
-    return torch.cat([spec[:, :kh], spec[:, spec.shape[1] - (modes.rows - kh):]], dim=1)
-
-
-def expand_rows(spec: torch.Tensor, modes: Modes) -> torch.Tensor:
-    """Inverse of `compact_rows`: zeros in place of the dropped rows."""
-    H, kh = modes.grid[0], modes.kh
-    if modes.rows == H:
-        return spec
-    zeros = spec.new_zeros((spec.shape[0], H - modes.rows, *spec.shape[2:]))
-    return torch.cat([spec[:, :kh], zeros, spec[:, kh:]], dim=1)
-
-
 # ------------------------------------------------------------------------- transform
 
-class RealFFT2:
-    """rfft2 / irfft2 (norm "ortho", dims 1 and 2 of channels-last tiles) keeping `modes`.
+class RealFFT2(spectral.RealFFT2):
+    """networks.spectral.RealFFT2 on the h x w mesh: tiles in, spectrum tiles out.
 
     `groups` = (h group, w group): the mesh the grid is split over; (None, None) is one
-    device, where the all-to-alls vanish and this is torch.fft.rfft2 followed by truncation.
+    device, where the all-to-alls vanish (the serial transform).
     `channel_sizes`: how the spectrum's channels are split over w (default: balanced).
     """
 
     def __init__(self, modes: Modes, channels: int, channel_sizes: Sequence[int] | None = None,
                  groups: tuple[str | None, str | None] = (None, None)):
-        self.modes = modes
+        super().__init__(modes, channels)
         self.h_group, self.w_group = groups
         nh, nw = (comm.get_size(g) if g is not None else 1 for g in groups)
         ih, iw = (comm.get_rank(g) if g is not None else 0 for g in groups)
@@ -191,27 +142,19 @@ class RealFFT2:
         start = sum(self.kw_sizes[:ih])
         self.kw = slice(start, start + self.kw_sizes[ih])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Real grid tile (B, H_i, W_j, C) -> complex spectrum tile (B, KH, KW_i, C_j)."""
-        x = transpose(x, self.w_group, 3, 2, self.channel_sizes, self.cols)
-        s = torch.fft.rfft(x, dim=2, norm="ortho")[:, :, : self.modes.kw]
-        s = transpose(s, self.h_group, 2, 1, self.kw_sizes, self.rows)
-        return compact_rows(_fft_rows(s, torch.fft.fft), self.modes)
+    # (B, H_i, W_j, C) <-> (B, H_i, W, C_j): over w, gather the columns, split the channels
+    def _gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        return transpose(x, self.w_group, 3, 2, self.channel_sizes, self.cols)
 
-    def inverse(self, s: torch.Tensor) -> torch.Tensor:
-        """Complex spectrum tile (B, KH, KW_i, C_j) -> real grid tile (B, H_i, W_j, C)."""
-        s = _fft_rows(expand_rows(s, self.modes), torch.fft.ifft)
-        s = transpose(s, self.h_group, 1, 2, self.rows, self.kw_sizes)
-        # irfft zero-pads the dropped column modes up to W//2 + 1 itself
-        x = torch.fft.irfft(s, n=self.modes.grid[1], dim=2, norm="ortho")
+    def _scatter_columns(self, x: torch.Tensor) -> torch.Tensor:
         return transpose(x, self.w_group, 2, 3, self.cols, self.channel_sizes)
 
+    # (B, H_i, KW, C_j) <-> (B, H, KW_i, C_j): over h, gather the rows, split the kept columns
+    def _gather_rows(self, s: torch.Tensor) -> torch.Tensor:
+        return transpose(s, self.h_group, 2, 1, self.kw_sizes, self.rows)
 
-def _fft_rows(s: torch.Tensor, fft: Any) -> torch.Tensor:
-    """(i)fft along dim 1. A rank may hold no column mode at all (3 kept over h = 4), and
-    MKL rejects empty transforms: the empty tensor passes through, still in the autograd
-    graph, so this rank's backward still joins the all-to-alls of the others."""
-    return fft(s, dim=1, norm="ortho") if s.numel() else s
+    def _scatter_rows(self, s: torch.Tensor) -> torch.Tensor:
+        return transpose(s, self.h_group, 1, 2, self.rows, self.kw_sizes)
 
 
 def alltoall_bytes(batch: int, modes: Modes, channels: int, mesh: tuple[int, int],

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils import comm
+from distributed import comm
 
 MP_GROUPS = ("tp", "cp", "h", "w")
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distributed import comm
 from distributed.helpers import (
     annotate,
     compute_split_shapes,
@@ -30,9 +31,8 @@ from distributed.mappings import (
     reduce_from_parallel_region,
     scatter_to_parallel_region,
 )
-from utils import comm
+from networks.kernels import attention
 from utils.model_wrappers import unwrap
-from utils.precision import attention
 
 
 class ColumnParallelLinear(nn.Module):

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from distributed import comm
 from distributed.helpers import (
     all_gather_along_dim,
     all_reduce,
@@ -35,7 +36,6 @@ from distributed.helpers import (
     exchange_sizes,
     reduce_scatter_along_dim,
 )
-from utils import comm
 
 
 def _my_chunk(x: torch.Tensor, dim: int, group_name: str, sizes: Sequence[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from distributed import comm
 from distributed.fft import RealFFT2, balanced_split, kept_modes
 from distributed.helpers import (
     all_gather_along_dim,
@@ -24,7 +25,6 @@ from distributed.helpers import (
     compute_split_shapes,
     shard_tensor,
 )
-from utils import comm
 from utils.tile import Tile
 
 SPATIAL_GROUPS = ("h", "w")
@@ -44,7 +44,7 @@ def tile_bounds(grid: tuple[int, int], patch_size: int = 1) -> tuple[slice, slic
 
 def field_tile(img_size: tuple[int, int] | list[int], patch_size: int) -> Tile:
     """This rank's `Tile` of the (H, W) field: the pixels under its tokens. The loaders read
-    only it, and the skill scores (utils.evaluation) sum over it and then over the mesh."""
+    only it, and the skill scores (evaluation.scores) sum over it and then over the mesh."""
     H, W = (int(n) for n in img_size)
     rows, cols = tile_bounds((H // patch_size, W // patch_size), patch_size)
     return Tile((H, W), rows, cols)

@@ -30,9 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed.fft import RealFFT2, kept_modes
+from networks.kernels import patch_conv
+from networks.spectral import RealFFT2, kept_modes
 from networks.vit import MLP, init_weights
-from utils.precision import patch_conv
+from utils.config_schema import Config
 
 
 class SerialGrid:
@@ -154,7 +155,7 @@ class AFNONet(nn.Module):
             raise ValueError(f"input tile {tuple(x.shape[-2:])} != {(h * p, w * p)}: "
                              f"{h} x {w} tokens of patch {p} on this rank")
         # channels last, contiguous once: every later layer acts on the last dim
-        x = patch_conv(self.patch_embed, x)  # a bf16 GEMM under CPU autocast: utils.precision
+        x = patch_conv(self.patch_embed, x)  # a bf16 GEMM under CPU autocast: networks.kernels
         x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
         for block in self.blocks:
             x = block(x)
@@ -222,21 +223,21 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
     return 3 * sum(parts.values())
 
 
-def afno_from_params(params: Any, layers: Any = None) -> AFNONet:
-    """Build the model from a config (`YParams`, already checked by the config schema).
-    `layers`: the layer factory, serial by default; train_mp.py passes
-    `distributed.spatial.SpatialLayers()` when the grid is split over h x w ranks."""
+def afno_from_params(cfg: Config, layers: Any = None) -> AFNONet:
+    """Build the model from a config. `layers`: the layer factory, serial by default; a
+    spatial layout passes `distributed.spatial.SpatialLayers()` when the grid is split
+    over h x w ranks."""
     return AFNONet(
-        img_size=tuple(params.img_size),
-        patch_size=params.patch_size,
-        in_chans=params.n_in_channels,
-        out_chans=params.n_out_channels,
-        embed_dim=params.embed_dim,
-        depth=params.depth,
-        num_blocks=params.num_blocks,
-        mlp_ratio=float(getattr(params, "mlp_ratio", 4.0)),
-        sparsity_threshold=float(getattr(params, "sparsity_threshold", 0.01)),
-        hard_thresholding_fraction=float(getattr(params, "hard_thresholding_fraction", 1.0)),
+        img_size=tuple(cfg.img_size),
+        patch_size=cfg.patch_size,
+        in_chans=cfg.n_in_channels,
+        out_chans=cfg.n_out_channels,
+        embed_dim=cfg.embed_dim,
+        depth=cfg.depth,
+        num_blocks=cfg.num_blocks,
+        mlp_ratio=cfg.mlp_ratio,
+        sparsity_threshold=cfg.sparsity_threshold,
+        hard_thresholding_fraction=cfg.hard_thresholding_fraction,
         layers=layers,
-        seed=int(getattr(params, "seed", 0) or 0),
+        seed=cfg.seed,
     )

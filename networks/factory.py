@@ -1,11 +1,11 @@
-"""Which network a config trains: `params.model` is 'vit' (networks/vit.py) or 'afno'
+"""Which network a config trains: `cfg.model` is 'vit' (networks/vit.py) or 'afno'
 (networks/afno.py). Every script and benchmark builds its model here.
 
-    model = build_model(params)                            # serial: one device, DDP
-    model = build_model(params, layers=SpatialLayers())    # train_mp.py: AFNO on h x w
+    model = build_model(cfg)                          # serial: one device, DDP
+    model = build_model(cfg, layers=layout.layers)    # any layout (distributed/layout.py)
 
-`layers` is the layer factory of the parallel layout (None: serial). The script that set up
-the process groups chooses it; the networks never look at them.
+`layers` is the layer factory of the parallel layout (None: serial). The layout decides it
+from the process groups; the networks never look at them.
 """
 
 from __future__ import annotations
@@ -17,22 +17,21 @@ import torch.nn as nn
 from networks import afno, vit
 from networks.afno import afno_from_params
 from networks.vit import vit_from_params
+from utils.config_schema import Config
 
 BUILDERS = {"vit": vit_from_params, "afno": afno_from_params}
 
 
-def build_model(params: Any, layers: Any = None) -> nn.Module:
-    """The network named by `params.model` (default 'vit'), built from the config."""
-    return BUILDERS[getattr(params, "model", "vit")](params, layers=layers)
+def build_model(cfg: Config, layers: Any = None) -> nn.Module:
+    """The network named by `cfg.model`, built from the config."""
+    return BUILDERS[cfg.model](cfg, layers=layers)
 
 
-def training_flops(params: Any) -> int:
+def training_flops(cfg: Config) -> int:
     """Analytic FLOPs of one training sample of the config's network (forward + backward)."""
-    shape = (tuple(params.img_size), params.patch_size, params.n_in_channels,
-             params.n_out_channels, params.embed_dim, params.depth)
-    ratio = float(getattr(params, "mlp_ratio", 4.0))
-    if getattr(params, "model", "vit") == "afno":
-        return afno.training_flops_per_sample(
-            *shape, params.num_blocks, ratio,
-            float(getattr(params, "hard_thresholding_fraction", 1.0)))
-    return vit.training_flops_per_sample(*shape, ratio)
+    shape = (tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels,
+             cfg.embed_dim, cfg.depth)
+    if cfg.model == "afno":
+        return afno.training_flops_per_sample(*shape, cfg.num_blocks, cfg.mlp_ratio,
+                                              cfg.hard_thresholding_fraction)
+    return vit.training_flops_per_sample(*shape, cfg.mlp_ratio)

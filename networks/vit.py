@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from utils.precision import attention, patch_conv
+from networks.kernels import attention, patch_conv
+from utils.config_schema import Config
 
 
 class PatchEmbed(nn.Module):
@@ -27,10 +28,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = patch_conv(self.proj, x)  # a bf16 GEMM under CPU autocast: utils.precision
+        x = patch_conv(self.proj, x)  # a bf16 GEMM under CPU autocast: networks.kernels
         # (B, N, D). Made contiguous once here: a transposed token stream would stay
         # transposed through every residual add and make each LayerNorm (forward and
-        # backward) copy its input, ~3% of a CPU step.
+        # backward) copy its input.
         return x.flatten(2).transpose(1, 2).contiguous()
 
 
@@ -225,18 +226,18 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
     return 3 * (patch + depth * block + head)
 
 
-def vit_from_params(params: Any, layers: Any = None) -> VisionTransformer:
-    """Build the model from a config (`YParams`). `layers`: the layer factory, serial by
-    default; train_mp.py passes `distributed.layers.DistributedLayers()`."""
+def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
+    """Build the model from a config. `layers`: the layer factory, serial by default; a
+    tensor/context-parallel layout passes `distributed.layers.DistributedLayers()`."""
     return VisionTransformer(
-        img_size=tuple(params.img_size),
-        patch_size=params.patch_size,
-        in_chans=params.n_in_channels,
-        out_chans=params.n_out_channels,
-        embed_dim=params.embed_dim,
-        depth=params.depth,
-        num_heads=params.num_heads,
-        dropout=params.dropout,
+        img_size=tuple(cfg.img_size),
+        patch_size=cfg.patch_size,
+        in_chans=cfg.n_in_channels,
+        out_chans=cfg.n_out_channels,
+        embed_dim=cfg.embed_dim,
+        depth=cfg.depth,
+        num_heads=cfg.num_heads,
+        dropout=cfg.dropout,
         layers=layers,
-        seed=int(getattr(params, "seed", 0) or 0),
+        seed=cfg.seed,
     )

@@ -13,7 +13,7 @@
 #   nsys profile -f true -o $LOG_DIR/<name> --trace=cuda,nvtx,osrt -c cudaProfilerApi
 #        --capture-range-end=stop [--cuda-graph-trace=node for the CUDA-graph script]
 # when nsys exists where the task runs (<name>_rank<RANK> with several tasks), and exports
-# PROFILE_WITH_NSYS=1 so that the training script (utils/run/profiling.py) opens and closes the
+# PROFILE_WITH_NSYS=1 so that the training script (training/profiling.py) opens and closes the
 # capture range with torch.cuda.profiler.start()/stop() around its profiled epoch. Without
 # nsys the run is not wrapped, and the training script writes a torch.profiler trace into
 # its run directory: <run dir>/profile/<name>_rank<RANK>.<ms>.pt.trace.json.

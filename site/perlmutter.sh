@@ -21,7 +21,7 @@ export SBATCH_GPUS_PER_NODE="${SBATCH_GPUS_PER_NODE:-4}"   # --gpus-per-node 4
 #     export SBATCH_SIGNAL=USR1@120 SBATCH_REQUEUE=1
 # Options with no SBATCH_* variable; passed by sbatch_site.sh only. --image/--module make
 # Shifter set the image up once per node at job start instead of at task launch.
-# The image's PyTorch must be >= 2.7.1 (checked at start-up, utils/startup_checks.py): NGC
+# The image's PyTorch must be >= 2.7.1 (checked at start-up, distributed/startup_checks.py): NGC
 # PyTorch 25.12 ships PyTorch 2.10.0a0 on CUDA 13.1 (NVIDIA's release notes for 25.12).
 # Pull it once: shifterimg pull nvcr.io/nvidia/pytorch:25.12-py3
 _image="${SITE_IMAGE:-nvcr.io/nvidia/pytorch:25.12-py3}"

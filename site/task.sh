@@ -25,7 +25,7 @@
 # refuses otherwise); --cuda-graph-trace=node, for the CUDA-graph script (its name contains
 # "graphs", or ENABLE_CUDA_GRAPHS=1), traces each kernel of a graph replay instead of one
 # opaque block per replay. PROFILE_WITH_NSYS=1 tells the training script to open and close
-# the capture range (utils/run/profiling.py). Without nsys the task runs bare and the training
+# the capture range (training/profiling.py). Without nsys the task runs bare and the training
 # script writes a torch.profiler trace into its run directory (<run dir>/profile/).
 
 _task_sorted() {  # "3, 2,1,0" -> "0,1,2,3"

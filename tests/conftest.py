@@ -92,12 +92,12 @@ def cluster():
 
 @pytest.fixture
 def tiny_params(tiny_data: Path):
-    """The `tiny` config pointed at `tiny_data`, with a local batch size: a fresh YParams."""
-    from utils.YParams import YParams
+    """The `tiny` config pointed at `tiny_data`, with a local batch size (frozen: a test
+    changes it with `tiny_params.replace(key=value)`)."""
+    from utils.config import read_config
 
-    params = YParams(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
-    params.local_batch_size = params.global_batch_size
-    return params
+    cfg = read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
+    return cfg.replace(local_batch_size=cfg.global_batch_size)
 
 
 @pytest.fixture

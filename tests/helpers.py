@@ -160,7 +160,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, data_dir:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out}\n{err}")
-    # Every ending of every script run here leaves torch.distributed cleanly (utils.comm).
+    # Every ending of every script run here leaves torch.distributed cleanly (distributed.comm).
     assert "outlived comm.shutdown()" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
     return TrainRun(proc.returncode, proc.stdout, proc.stderr, Path(log_dir), Path(data_dir),
                     cmd)
@@ -202,7 +202,7 @@ def _rank_main(rank: int, world_size: int, store: str, timeout: float,
                fn: Callable[..., Any], args: tuple, results: Any) -> None:
     import torch.distributed as dist
 
-    from utils import comm
+    from distributed import comm
 
     torch.set_num_threads(1)  # ranks share a couple of cores; also keeps forked OpenMP idle
     try:
@@ -356,9 +356,9 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
     replicated parameters stay bitwise identical on the ranks that share them."""
     import torch.distributed as dist
 
+    from distributed import comm
     from distributed.helpers import sync_shared_gradients
     from distributed.layers import gather_full_grads, gather_full_state_dict
-    from utils import comm
 
     opt_serial = torch.optim.Adam(serial.parameters(), lr=lr)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -387,6 +387,14 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
             copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
             dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
+
+
+def layout_of(cfg: Any) -> Any:
+    """The Layout train_mp.py would decide for `cfg`, on the process groups `comm.init` made
+    (inside `run_distributed`: no launcher environment, the CPU)."""
+    from distributed.layout import Layout
+
+    return Layout.of_groups(cfg, None, torch.device("cpu"))
 
 
 # ----------------------------------------------------------------- what a run logged and saved
@@ -436,7 +444,7 @@ def epoch_losses(output: str) -> list[tuple[str, str, str]]:
 def final_checkpoint(exp_dir: Path, iters: int | None = None) -> dict:
     """The newest checkpoint of a run directory (which must be ckpt_<iters>.pt if given),
     loaded as a resume loads it (weights_only)."""
-    from utils.run.checkpoint import latest_checkpoint
+    from training.checkpoint import latest_checkpoint
 
     path = latest_checkpoint(str(exp_dir))
     assert path, f"no checkpoint in {exp_dir}"

@@ -4,7 +4,7 @@ without data parallelism) against the serial model on the same global batch: los
 parameter gradient, and every parameter after 3 Adam steps.
 
 Training step under test (what train_mp.py will do with --h_parallel_size/--w_parallel_size):
-    loss = spatial_metrics.l2_loss(model(tile of x), tile of y)   # global loss from tiles
+    loss = layout.loss(model(tile of x), tile of y)   # global loss from tiles
     loss.backward()                 # DDP averages over dp during backward
     sync_shared_gradients(model)    # sums the partial (h, w) gradients of replicated weights
     optimizer.step()
@@ -24,14 +24,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CONFIG_FILE, assert_trains_like_serial, run_distributed
+from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
+from distributed import comm
 from distributed.helpers import annotation_errors
 from distributed.layers import gather_full_state_dict, load_serial_state_dict
 from distributed.spatial import SpatialLayers, scatter_image
-from distributed.spatial_metrics import l2_loss as spatial_l2_loss
 from networks import build_model
 from networks.afno import (
     AFNONet,
@@ -41,10 +41,9 @@ from networks.afno import (
     flops_per_sample,
     training_flops_per_sample,
 )
+from networks.loss import l2_loss
 from networks.vit import VisionTransformer
-from utils import comm
-from utils.evaluation import l2_loss
-from utils.YParams import YParams, load_yaml
+from utils.config import load_yaml, read_config
 
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 # 28 x 36 pixels, patch 4: a 7 x 9 token grid, uneven over 2 ranks both ways
@@ -140,17 +139,18 @@ def test_the_model_factory_builds_the_configs_network_serial_by_default() -> Non
     layout (a spatial layout is passed in, as train_mp.py does). Bad AFNO settings are the
     config schema's one-line errors (tests/test_config_schema.py)."""
     comm.reset()
-    afno = YParams(CONFIG_FILE, "tiny_afno", environ={})
+    afno = read_config(CONFIG_FILE, "tiny_afno", environ={})
     model = build_model(afno)
     assert isinstance(model, AFNONet) and isinstance(model.layer_factory, SerialGrid)
-    assert isinstance(build_model(YParams(CONFIG_FILE, "tiny", environ={})), VisionTransformer)
+    assert isinstance(build_model(read_config(CONFIG_FILE, "tiny", environ={})),
+                      VisionTransformer)
 
 
 # ------------------------------------------------------------------------- configs
 
 def test_cpu_afno_config_is_a_4_05_M_parameter_3_13_GFLOP_model() -> None:
     comm.reset()
-    p = YParams(CONFIG_FILE, "cpu_afno", environ={})
+    p = read_config(CONFIG_FILE, "cpu_afno", environ={})
     assert (p.model, p.img_size, p.patch_size, p.embed_dim, p.depth, p.num_blocks) == \
         ("afno", [64, 128], 8, 256, 6, 8)
     model = afno_from_params(p)
@@ -167,8 +167,8 @@ def test_afno_sections_are_afno_models_and_vit_sections_stay_vit() -> None:
         assert section["model"] == ("afno" if "afno" in name else "vit"), name
         assert (section["h_parallel_size"], section["w_parallel_size"]) == (1, 1), name
         if section["model"] == "afno":
-            YParams(CONFIG_FILE, name, environ={})  # the schema's checks across keys
-    tiny = YParams(CONFIG_FILE, "tiny_afno", environ={})
+            read_config(CONFIG_FILE, name, environ={})  # the schema's checks across keys
+    tiny = read_config(CONFIG_FILE, "tiny_afno", environ={})
     assert sum(q.numel() for q in afno_from_params(tiny).parameters()) < 100_000
 
 
@@ -192,8 +192,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _compare(fraction: float) -> None:
     serial = AFNONet(**TINY, hard_thresholding_fraction=fraction, seed=3)
-    model = afno_from_params(_params(hard_thresholding_fraction=fraction, seed=3),
-                             layers=SpatialLayers())  # as train_mp.py builds it
+    cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
+        img_size=list(IMG), n_in_channels=3, n_out_channels=2, embed_dim=16, depth=2,
+        num_blocks=4, hard_thresholding_fraction=fraction, seed=3,
+        h_parallel_size=comm.get_size("h"), w_parallel_size=comm.get_size("w"))
+    spatial = layout_of(cfg)  # the layout train_mp.py builds: its layers and its loss
+    assert spatial.kind == "spatial" and spatial.tile.grid == IMG
+    model = build_model(cfg, layers=spatial.layers)
     for name, value in gather_full_state_dict(model).items():  # the serial initialisation
         assert torch.equal(value, serial.state_dict()[name]), f"{name} initialised differently"
     if comm.get_size("dp") > 1:
@@ -204,7 +209,7 @@ def _compare(fraction: float) -> None:
     tile = lambda t: scatter_image(t[local], serial.grid, 4)  # noqa: E731
     assert_trains_like_serial(
         serial, model, [_batch(step) for step in range(STEPS)],
-        lambda m, x, y: l2_loss(m(x), y), lambda m, x, y: spatial_l2_loss(m(tile(x)), tile(y)),
+        lambda m, x, y: l2_loss(m(x), y), lambda m, x, y: spatial.loss(m(tile(x)), tile(y)),
         layout, LR, RTOL, ATOL_ADAM)
 
 

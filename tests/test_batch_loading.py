@@ -57,7 +57,7 @@ def read_path(request, monkeypatch) -> str:
 
 @pytest.fixture
 def dataset(tiny_params) -> ERA5Dataset:
-    tiny_params.limit_nsamples = None
+    tiny_params = tiny_params.replace(limit_nsamples=None)
     return ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
 
 
@@ -66,7 +66,7 @@ def dataset(tiny_params) -> ERA5Dataset:
 
 @pytest.mark.parametrize("dt", [1, 3])
 def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt, read_path):
-    tiny_params.dt, tiny_params.limit_nsamples = dt, None
+    tiny_params = tiny_params.replace(dt=dt, limit_nsamples=None)
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     indices = np.random.default_rng(dt).permutation(len(ds))[:7].tolist()
     assert_same_batch(read_batch(ds, indices), per_sample(ds, indices))
@@ -74,7 +74,7 @@ def test_shuffled_batch_equals_per_sample_reads(tiny_params, dt, read_path):
 
 @pytest.mark.parametrize("dt", [1, 3])
 def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt, read_path):
-    tiny_params.dt, tiny_params.limit_nsamples = dt, None
+    tiny_params = tiny_params.replace(dt=dt, limit_nsamples=None)
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     per_file = N - dt
     indices = list(range(per_file - 2, per_file + 3))  # the last 2 of year 1, 3 of year 2
@@ -87,7 +87,7 @@ def test_consecutive_samples_are_one_run_even_across_a_year_file(tiny_params, dt
 
 
 def test_cropped_img_size_reads_the_top_left_corner(tiny_params, read_path):
-    tiny_params.img_size = [8, 16]
+    tiny_params = tiny_params.replace(img_size=[8, 16])
     ds = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     inp, tar = read_batch(ds, [3, 1, 2])
     assert inp.shape == tar.shape == (3, 20, 8, 16)
@@ -96,8 +96,9 @@ def test_cropped_img_size_reads_the_top_left_corner(tiny_params, read_path):
 
 @pytest.mark.parametrize("train", [True, False])
 def test_data_loader_batches_equal_per_sample_reads(tiny_params, train, read_path):
-    loader, ds, sampler = get_data_loader(tiny_params, tiny_params.train_data_path if train
-                                          else tiny_params.valid_data_path, train=train)
+    path = tiny_params.train_data_path if train else tiny_params.valid_data_path
+    loader, ds, sampler = get_data_loader(tiny_params, path, train=train,
+                                          batch_size=tiny_params.local_batch_size)
     sampler.set_epoch(3)
     order = list(sampler)
     B = tiny_params.local_batch_size
@@ -154,10 +155,11 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 def test_prefetch_thread_yields_the_loaders_batches_in_order(tiny_params, read_path):
-    tiny_params.prefetch_thread = True
-    loader, _, sampler = get_loader(tiny_params, tiny_params.train_data_path, train=True)
+    tiny_params = tiny_params.replace(prefetch_thread=True)
+    loader, _, sampler = get_loader(tiny_params, tiny_params.train_data_path, train=True,
+                                    batch_size=tiny_params.local_batch_size)
     plain, _, plain_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
-                                              train=True)
+                                              train=True, batch_size=tiny_params.local_batch_size)
     assert isinstance(loader, PrefetchLoader) and len(loader) == len(plain)
     assert loader.batch_size == plain.batch_size  # attributes pass through
     per_epoch = len(plain)
@@ -172,8 +174,9 @@ def test_prefetch_thread_yields_the_loaders_batches_in_order(tiny_params, read_p
 
 
 def test_leaving_the_loop_early_stops_the_thread(tiny_params):
-    loader = PrefetchLoader(get_data_loader(tiny_params, tiny_params.train_data_path,
-                                            train=True)[0], depth=1)
+    loader = PrefetchLoader(get_data_loader(tiny_params, tiny_params.train_data_path, train=True,
+                                            batch_size=tiny_params.local_batch_size)[0],
+                            depth=1)
     for _ in loader:
         assert len(prefetch_threads()) == 1
         break

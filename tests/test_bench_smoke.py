@@ -1,5 +1,5 @@
 """bench.bench_step and bench.bench_reference run end to end (no timing assertions), and
-the CPU precision policy of utils.precision.attention (serial and distributed models
+the CPU precision policy of networks.kernels.attention (serial and distributed models
 alike): under CPU bf16 autocast, short sequences attend with bf16 matmuls, long ones in the
 fp32 flash kernel; linears in bf16."""
 
@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import REPO, TINY_IMG_SIZE, child_env
 
+from networks.kernels import MATH_PATH_MAX_SCORES, attention, math_attention
 from networks.vit import VisionTransformer
 from utils.data.synthetic import generate
-from utils.precision import MATH_PATH_MAX_SCORES, attention, math_attention
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves

@@ -1,5 +1,5 @@
 """CPU bf16: train.py and train_mp.py (tp 2, cp 2) compute alike, because the serial and the
-distributed attention share one precision policy (utils.precision.attention decides in which
+distributed attention share one precision policy (networks.kernels.attention decides in which
 precision attention runs on CPU under autocast).
 
 Two proofs:
@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from helpers import run_distributed, run_script
 
+from distributed import comm
 from distributed.helpers import compute_split_shapes
 from distributed.layers import DistributedAttention, TokenSplit, load_serial_state_dict
+from networks import kernels as precision
 from networks.vit import Attention
-from utils import comm, precision
 
 LOSS_RTOL = 1e-4
 DIM, HEADS, TOKENS = 32, 4, 10

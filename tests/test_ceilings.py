@@ -15,8 +15,8 @@ from torch.profiler import record_function
 from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, Ref, ShapeTrueCeiling
 from bench.time_split import CATEGORIES, LOADER_RANGE, category, profile_split
+from networks.loss import l2_loss
 from networks.vit import VisionTransformer
-from utils.evaluation import l2_loss
 
 CPU = torch.device("cpu")
 B, C, P, D, DEPTH, HEADS = 2, 20, 4, 32, 2, 4
@@ -51,14 +51,14 @@ def test_every_linear_gives_three_gemms_and_the_patch_embedding_two():
 
 
 def test_bf16_autocast_records_bf16_gemms_and_the_math_path_attention_as_gemms():
-    """CPU bf16 policy for short sequences (utils.precision.attention): attention is two
+    """CPU bf16 policy for short sequences (networks.kernels.attention): attention is two
     bf16 matmuls forward and four backward per block, no SDPA kernel."""
     ceiling = record(tiny_vit(), torch.bfloat16)
     linears = 4 * DEPTH + 1
     assert ceiling.counts() == {"gemm": 3 * linears + 2 + 6 * DEPTH, "attention": 0}
     gemm_dtypes = {s.dtype for c in ceiling.calls if c.kind == "gemm" for s in c.args
                    if hasattr(s, "dtype")}
-    # the patch embedding's two included: a bf16 GEMM on CPU (utils.precision.patch_conv)
+    # the patch embedding's two included: a bf16 GEMM on CPU (networks.kernels.patch_conv)
     assert gemm_dtypes == {torch.bfloat16}
 
 
@@ -135,11 +135,11 @@ def test_a_shape_true_ceiling_too_slow_to_replay_is_skipped(tiny_params, tmp_pat
     ceiling is skipped instead of eating the budget."""
     from bench.bench_step import shape_true_ceilings
     from bench.step_runner import StepRunner
+    from distributed.launch_env import resolve_launch_env
+    from distributed.layout import Layout
 
-    tiny_params.update({"expdir": str(tmp_path), "amp_mode": "bf16", "resume": None,
-                        "requeue": False, "noddp": False, "bucket_cap_mb": 25,
-                        "disable_broadcast_buffers": False})  # run-only flags (utils.cli)
-    runner = StepRunner("tiny bf16", tiny_params, CPU)
+    cfg = tiny_params.replace(expdir=str(tmp_path), amp_mode="bf16")
+    runner = StepRunner("tiny bf16", cfg, Layout.of_groups(cfg, resolve_launch_env(), CPU))
     mm = MatmulCeiling(CPU, [torch.bfloat16], n=256)
     assert set(shape_true_ceilings([runner], mm, Budget(60.0))) == {"tiny bf16"}
     mm.probe[torch.bfloat16] = 1e-6  # GFLOP/s: the replay would take hours

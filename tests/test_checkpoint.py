@@ -21,20 +21,20 @@ import numpy as np
 import pytest
 import torch
 from bad_data import flip_tensor_byte
-from helpers import REPO, child_env, one_line
+from helpers import REPO, child_env, layout_of, one_line
 
 from networks.vit import vit_from_params
-from utils.precision import grad_scaler
-from utils.run.checkpoint import (
+from training.checkpoint import (
     Checkpointer,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     resolve_resume,
 )
-from utils.run.guard import NonFiniteLoss
-from utils.run.progress import Progress
-from utils.training import build_optimizer, build_scheduler
+from training.guard import NonFiniteLoss
+from training.progress import Progress
+from training.run import build_optimizer, build_scheduler
+from utils.precision import Precision
 
 CPU = torch.device("cpu")
 
@@ -47,9 +47,9 @@ class Run:
         self.model = vit_from_params(params)
         self.optimizer = build_optimizer(params, self.model)
         self.scheduler = build_scheduler(params, self.optimizer)
-        self.scaler = grad_scaler(params, CPU)
+        self.scaler = Precision(params.amp_mode).grad_scaler()
         self.ckpt = Checkpointer(str(exp_dir), params, self.model, self.optimizer,
-                                 self.scheduler, self.scaler)
+                                 self.scheduler, self.scaler, layout_of(params))
 
     def steps(self, n: int) -> torch.Tensor:
         loss_sum = torch.zeros(())
@@ -66,8 +66,7 @@ class Run:
 
 @pytest.fixture
 def params(tiny_params):
-    tiny_params.checkpoint_keep = 3
-    return tiny_params
+    return tiny_params.replace(checkpoint_keep=3)
 
 
 # ----------------------------------------------------------------- contents and exactness
@@ -116,7 +115,8 @@ def test_a_tensor_learning_rate_is_filled_in_place(params, tmp_path):
     lr = optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr)
     Checkpointer(str(tmp_path / "b"), params, model, optimizer,
-                 build_scheduler(params, optimizer), grad_scaler(params, CPU)).restore(path)
+                 build_scheduler(params, optimizer), Precision(params.amp_mode).grad_scaler(),
+                 layout_of(params)).restore(path)
     assert optimizer.param_groups[0]["lr"] is lr
     assert lr.item() == pytest.approx(a.optimizer.param_groups[0]["lr"], rel=1e-6)
     assert lr.item() != pytest.approx(params.lr)  # the schedule had moved it
@@ -131,8 +131,7 @@ def test_checkpoint_files_load_without_running_code(params, tmp_path):
 
 
 def test_only_the_last_k_are_kept(params, tmp_path):
-    params.checkpoint_keep = 2
-    run = Run(params, tmp_path)
+    run = Run(params.replace(checkpoint_keep=2), tmp_path)
     for it in range(1, 6):
         run.ckpt.save(Progress(it, 1, it))
     assert [Path(p).name for p in list_checkpoints(str(tmp_path))] == \
@@ -160,7 +159,7 @@ def test_a_new_start_sets_aside_later_checkpoints_of_an_earlier_run(params, tmp_
 KILLED_SAVER = """
 import pathlib, sys, time
 import torch
-from utils.run.checkpoint import save_atomic
+from training.checkpoint import save_atomic
 
 class Stall:  # pickled half-way through the save: the parent kills us here
     def __reduce__(self):
@@ -333,9 +332,8 @@ def test_a_corrupt_checkpoint_is_a_one_line_error_naming_the_file(kind, params, 
 
 def test_a_checkpoint_of_another_model_config_names_the_mismatch(params, tmp_path):
     path = _saved(params, tmp_path)
-    params.embed_dim = 64
     with pytest.raises(CheckpointError) as e:
-        Run(params, tmp_path / "resume").ckpt.restore(path)
+        Run(params.replace(embed_dim=64), tmp_path / "resume").ckpt.restore(path)
     message = one_line(e.value)
     assert path in message and "embed_dim=32" in message and "embed_dim=64" in message
 

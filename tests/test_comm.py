@@ -1,4 +1,4 @@
-"""Process-group layout: utils.rank_generator (pure logic) and utils.comm (real processes)."""
+"""Process-group layout: distributed.rank_generator (pure) and distributed.comm (real processes)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 from helpers import run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
-from utils import comm
-from utils.rank_generator import RankGenerator
+from distributed import comm
+from distributed.rank_generator import RankGenerator
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp"))]
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 3), (2, 2, 2), (4, 2, 1), (2, 3, 2), (1, 1, 4)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY_ITERS_PER_EPOCH, assert_completed
 
-from utils.run.compile_cost import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
+from utils.compile_cache import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
 
 FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started; torch\.compile "
                         r"([\d.]+) s for (\d+) graphs \(compile cache (.+): (\d+) hits, "

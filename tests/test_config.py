@@ -1,4 +1,5 @@
-"""config/ViT.yaml, YParams and the command-line layer (utils.cli)."""
+"""config/ViT.yaml, its loading (utils.config) and the command-line flags derived from the
+schema."""
 
 from __future__ import annotations
 
@@ -15,25 +16,24 @@ from networks.vit import (
     training_flops_per_sample,
     vit_from_params,
 )
-from utils.cli import build_parser, load_params
+from training.setup import batch_sizes
+from utils.config import DATA_PATH_KEYS, FlagError, flag_parser, load_config, load_yaml, read_config
+from utils.config_schema import Config
 from utils.errors import ConfigError
-from utils.run.setup import set_batch_sizes
-from utils.YParams import DATA_PATH_KEYS, YParams, load_yaml
 
 NO_ENV: dict[str, str] = {}
 
 
-def params_for(name: str, environ: dict[str, str] | None = None) -> YParams:
-    return YParams(CONFIG_FILE, name, environ=NO_ENV if environ is None else environ)
+def params_for(name: str, environ: dict[str, str] | None = None) -> Config:
+    return read_config(CONFIG_FILE, name, environ=NO_ENV if environ is None else environ)
 
 
-def cli(argv: list[str]) -> YParams:
-    return load_params(build_parser("test").parse_args(["--yaml_config", str(CONFIG_FILE),
-                                                        *argv]))
+def cli(argv: list[str]) -> Config:
+    return load_config(["--yaml_config", str(CONFIG_FILE), *argv], "test")
 
 
 @pytest.fixture(scope="module")
-def every_section() -> dict[str, YParams]:
+def every_section() -> dict[str, Config]:
     """Every section of config/ViT.yaml, loaded once for the tests that sweep them all (each
     load parses the file); read only."""
     return {name: params_for(name) for name in load_yaml(CONFIG_FILE)}
@@ -66,7 +66,7 @@ def test_merge_keys_resolve_through_the_anchor_chain_cpu_bs64_opt_cpu_opt_cpu_ba
 def test_every_section_is_a_complete_mapping_with_the_base_keys(every_section):
     base_keys = set(load_yaml(CONFIG_FILE)["base"])
     for name, p in every_section.items():
-        missing = base_keys - set(p.to_dict())
+        missing = base_keys - set(p.model_dump())
         assert not missing, f"{name} lacks {sorted(missing)}"
 
 
@@ -138,7 +138,7 @@ def test_cpu_mp_model_is_bigger_than_cpu_base():
     assert mp.embed_dim > base.embed_dim
     assert mp.embed_dim % mp.num_heads == 0
 
-    def size(p: YParams) -> int:
+    def size(p: Config) -> int:
         tokens = (p.img_size[0] // p.patch_size) * (p.img_size[1] // p.patch_size)
         return count_parameters(p.embed_dim, p.depth, p.patch_size, p.n_in_channels,
                                 p.n_out_channels, tokens)
@@ -178,7 +178,7 @@ def test_DATA_DIR_relocates_every_data_path_and_LOG_DIR_replaces_expdir():
     assert p.global_stds_path == "/tmp/d/stats/global_stds.npy"
     assert p.expdir == "/tmp/l"
     full = params_for("bs64_opt", {"DATA_DIR": "mydata"})
-    assert [full[k] for k in DATA_PATH_KEYS] == [
+    assert [getattr(full, k) for k in DATA_PATH_KEYS] == [
         "mydata/train", "mydata/valid", "mydata/test", "mydata/stats/time_means.npy",
         "mydata/stats/global_means.npy", "mydata/stats/global_stds.npy"]
     assert full.expdir == "/logs"
@@ -192,16 +192,18 @@ def test_without_DATA_DIR_or_LOG_DIR_the_config_paths_are_kept():
 def test_environment_overrides_come_from_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("DATA_DIR", "/elsewhere")
     monkeypatch.setenv("LOG_DIR", "/runs")
-    p = YParams(CONFIG_FILE, "cpu_base")
+    p = read_config(CONFIG_FILE, "cpu_base")
     assert p.valid_data_path == "/elsewhere/valid" and p.expdir == "/runs"
 
 
-def test_params_item_attribute_and_get_access():
+def test_a_config_is_frozen_and_replace_makes_a_checked_copy():
     p = params_for("tiny")
-    assert p["lr"] == p.lr and "lr" in p and "nope" not in p
-    assert p.get("nope", 3) == 3
-    p.lr = 0.5
-    assert p["lr"] == 0.5
+    with pytest.raises(ValueError, match="frozen"):
+        p.lr = 0.5
+    q = p.replace(lr=0.5)
+    assert (q.lr, p.lr) == (0.5, params_for("tiny").lr)
+    with pytest.raises(ConfigError, match="lr"):
+        p.replace(lr=-1.0)
     with pytest.raises(AttributeError, match="nope"):
         _ = p.nope
 
@@ -223,16 +225,15 @@ def test_cli_without_flags_keeps_the_config_values(clean_env):
     ref = params_for("cpu_short_opt")
     for key in ("amp_mode", "num_iters", "enable_fused", "enable_jit", "num_data_workers",
                 "data_loader_config", "seed", "lr", "global_batch_size"):
-        assert p[key] == ref[key], key
+        assert getattr(p, key) == getattr(ref, key), key
     assert p.local_batch_size is None and p.run_num is None
     assert cli([]).config == "cpu_short"  # the default config
 
 
-def test_cli_rejects_a_bad_amp_mode_at_parse_time(capsys):
-    with pytest.raises(SystemExit) as e:
-        build_parser("test").parse_args(["--amp_mode", "fp8"])
-    assert e.value.code == 2
-    assert "fp8" in capsys.readouterr().err
+def test_cli_rejects_a_bad_amp_mode_at_parse_time():
+    with pytest.raises(FlagError) as e:
+        flag_parser("test").parse_args(["--amp_mode", "fp8"])
+    assert "fp8" in str(e.value) and e.value.usage.startswith("usage:")
 
 
 def test_cli_rejects_non_positive_num_iters(clean_env):
@@ -241,27 +242,23 @@ def test_cli_rejects_non_positive_num_iters(clean_env):
     assert "num_iters" in one_line(e) and "0" in str(e.value)
 
 
-def test_set_batch_sizes_divides_the_global_batch_over_data_parallel_ranks():
+def test_batch_sizes_divide_the_global_batch_over_data_parallel_ranks():
     p = params_for("cpu_bs64_opt")
-    p.local_batch_size = None
-    set_batch_sizes(p, 4)
-    assert (p.global_batch_size, p.local_batch_size) == (64, 16)
+    assert p.local_batch_size is None
+    assert batch_sizes(p, 4) == (16, 64)
 
 
-def test_set_batch_sizes_not_divisible_is_a_one_line_ConfigError_naming_the_numbers():
+def test_batch_sizes_not_divisible_is_a_one_line_ConfigError_naming_the_numbers():
     p = params_for("cpu_base")
-    p.local_batch_size = None
     with pytest.raises(ConfigError) as e:
-        set_batch_sizes(p, 3)
+        batch_sizes(p, 3)
     msg = one_line(e)
     assert "16" in msg and "3" in msg
 
 
-def test_set_batch_sizes_local_batch_size_redefines_the_global_batch():
-    p = params_for("cpu_base")
-    p.local_batch_size = 2
-    set_batch_sizes(p, 4)
-    assert (p.global_batch_size, p.local_batch_size) == (8, 2)
+def test_batch_sizes_local_batch_size_redefines_the_global_batch():
+    p = params_for("cpu_base").replace(local_batch_size=2)
+    assert batch_sizes(p, 4) == (2, 8)
     with pytest.raises(ConfigError) as e:  # checked with every other value, at start-up
         cli(["--config", "cpu_base", "--local_batch_size", "0"])
     assert "local_batch_size" in one_line(e)
@@ -275,18 +272,16 @@ def _config_with(tmp_path, extra: str):
 
 def test_img_size_not_a_multiple_of_patch_size_is_a_ConfigError(tmp_path, clean_env):
     path = _config_with(tmp_path, "bad_img: {<<: *tiny, img_size: [18, 32]}")
-    args = build_parser("t").parse_args(["--yaml_config", str(path), "--config", "bad_img"])
     with pytest.raises(ConfigError) as e:
-        load_params(args)
+        load_config(["--yaml_config", str(path), "--config", "bad_img"], "t")
     msg = one_line(e)
     assert "18x32" in msg and "patch_size 4" in msg
 
 
 def test_embed_dim_not_divisible_by_num_heads_is_a_ConfigError(tmp_path, clean_env):
     path = _config_with(tmp_path, "bad_heads: {<<: *tiny, embed_dim: 30}")
-    args = build_parser("t").parse_args(["--yaml_config", str(path), "--config", "bad_heads"])
     with pytest.raises(ConfigError) as e:
-        load_params(args)
+        load_config(["--yaml_config", str(path), "--config", "bad_heads"], "t")
     assert "30" in one_line(e) and "num_heads 4" in str(e.value)
 
 
@@ -310,7 +305,7 @@ def test_malformed_yaml_is_a_ConfigError_with_file_and_line(tmp_path, text, line
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
-        YParams(path, "a", environ=NO_ENV)
+        read_config(path, "a", environ=NO_ENV)
     assert f"{path}:{line}" in one_line(e)
 
 
@@ -318,7 +313,7 @@ def test_a_yaml_file_that_is_not_a_mapping_is_a_ConfigError(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError) as e:
-        YParams(path, "a", environ=NO_ENV)
+        read_config(path, "a", environ=NO_ENV)
     assert str(path) in one_line(e)
 
 
@@ -326,13 +321,13 @@ def test_a_section_that_is_not_a_mapping_is_a_ConfigError(tmp_path):
     path = tmp_path / "scalar.yaml"
     path.write_text("a: 3\n")
     with pytest.raises(ConfigError) as e:
-        YParams(path, "a", environ=NO_ENV)
+        read_config(path, "a", environ=NO_ENV)
     assert "'a'" in one_line(e)
 
 
 def test_missing_config_file_is_a_ConfigError(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as e:
-        YParams(path, "tiny", environ=NO_ENV)
+        read_config(path, "tiny", environ=NO_ENV)
     msg = one_line(e)
     assert str(path) in msg and "not found" in msg

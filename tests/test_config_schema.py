@@ -10,9 +10,9 @@ import pytest
 from helpers import CONFIG_FILE, REPO, one_line
 
 from tools import config_reference
-from utils.cli import add_model_parallel_args, build_parser, load_params
+from utils.config import load_config, read_config
 from utils.config_schema import KEYS, describe, expected
-from utils.YParams import ConfigError, YParams
+from utils.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -28,17 +28,16 @@ def config_file(tmp_path: Path, section: str) -> Path:
     return path
 
 
-def load(yaml_file: Path | str, argv: list[str] = (), config: str = "bad") -> YParams:
-    parser = add_model_parallel_args(build_parser("test"))
-    return load_params(parser.parse_args(["--yaml_config", str(yaml_file), "--config", config,
-                                          *argv]))
+def load(yaml_file: Path | str, argv: list[str] = (), config: str = "bad"):
+    return load_config(["--yaml_config", str(yaml_file), "--config", config, *argv], "test",
+                       model_parallel=True)
 
 
 def tiny_without(key: str) -> str:
     """The `tiny` section spelled out in full (no merge key), less `key`."""
-    values = YParams(CONFIG_FILE, "tiny", environ={}).to_dict()
+    values = read_config(CONFIG_FILE, "tiny", environ={}).model_dump()
     return "\n".join(f"  {k}: {json.dumps(v)}" for k, v in values.items()
-                     if k not in (key, "config", "yaml_config"))
+                     if k not in (key, "config", "yaml_config", "flags"))
 
 
 # (section `bad` of the config file, command-line flags, words the one line must hold);
@@ -149,10 +148,9 @@ def test_values_are_normalised_and_optional_keys_get_their_defaults(tmp_path):
     assert p.limit_nsamples is None
     assert (p.model, p.rollout_steps, p.h_parallel_size, p.w_parallel_size) == ("vit", 1, 1, 1)
     assert (p.run_num, p.local_batch_size, p.checkpoint_keep) == (None, None, 3)
-    from utils.cli import RUN_FLAGS  # settings of the run only, not config keys
-
-    # run_label: the flags given, for the run directory's name (utils/run/run_dirs.py)
-    assert set(KEYS) | {"config", "yaml_config", "run_label", *RUN_FLAGS} == set(p.to_dict())
+    assert (p.resume, p.requeue, p.noddp, p.bucket_cap_mb) == (None, False, False, 25)
+    # every key of the schema, and nothing else (the flags given name the run directory)
+    assert set(KEYS) == set(p.model_dump()) and p.flags == {}
 
 
 def test_flags_are_checked_after_merging_so_a_flag_fixes_a_bad_yaml_value(tmp_path):

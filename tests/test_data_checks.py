@@ -14,15 +14,17 @@ import torch
 from bad_data import copy_data, damage_chunk, rewrite, set_value
 
 from utils.data.checks import BatchScan, check_stats
-from utils.data.loader import get_data_loader, get_loader, load_stats, load_stds
+from utils.data.dataset import load_stats, load_stds
+from utils.data.loader import get_data_loader, get_loader
 from utils.errors import DataError, from_worker, message_of
 
 
-def point_at(params, data) -> None:
-    for split in ("train", "valid"):
-        params[f"{split}_data_path"] = str(data / split)
-    for name in ("global_means", "global_stds", "time_means"):
-        params[f"{name}_path"] = str(data / "stats" / f"{name}.npy")
+def point_at(params, data):
+    """`params` reading the data set in `data`."""
+    paths = {f"{split}_data_path": str(data / split) for split in ("train", "valid")}
+    paths |= {f"{name}_path": str(data / "stats" / f"{name}.npy")
+              for name in ("global_means", "global_stds", "time_means")}
+    return params.replace(**paths)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -82,12 +84,14 @@ def test_fields_of_another_type_give_float32_batches_alike_in_both_loaders(
     the model float64 (and crashed) while DALI converted silently."""
     data = copy_data(tiny_data, tmp_path / "data")
     stored = {year: rewrite(data / "train" / f"{year}.h5", dtype=dtype) for year in (2016, 2017)}
-    point_at(tiny_params, data)
+    tiny_params = point_at(tiny_params, data)
     with caplog.at_level(logging.INFO, logger="utils.data.checks"):
-        torch_loader, dataset, torch_sampler = get_data_loader(tiny_params,
-                                                               tiny_params.train_data_path, True)
-        tiny_params.data_loader_config = "dali"
-        dali_loader, _, dali_sampler = get_loader(tiny_params, tiny_params.train_data_path, True)
+        torch_loader, dataset, torch_sampler = get_data_loader(
+            tiny_params, tiny_params.train_data_path, True,
+            batch_size=tiny_params.local_batch_size)
+        tiny_params = tiny_params.replace(data_loader_config="dali")
+        dali_loader, _, dali_sampler = get_loader(tiny_params, tiny_params.train_data_path, True,
+                                                  batch_size=tiny_params.local_batch_size)
     notices = [r.message for r in caplog.records if "Notice" in r.message]
     assert len(notices) <= 1 and all(np.dtype(dtype).name in n for n in notices)
     pytorch, dali = epoch_batches(torch_loader, torch_sampler), epoch_batches(dali_loader,
@@ -108,10 +112,12 @@ def test_one_notice_per_stored_type_in_a_process(tiny_params, tiny_data, tmp_pat
     data = copy_data(tiny_data, tmp_path / "data")
     for split, year in (("train", 2016), ("train", 2017), ("valid", 2018)):
         rewrite(data / split / f"{year}.h5", dtype="u2")
-    point_at(tiny_params, data)
+    tiny_params = point_at(tiny_params, data)
     with caplog.at_level(logging.INFO, logger="utils.data.checks"):
-        get_data_loader(tiny_params, tiny_params.train_data_path, True)
-        get_data_loader(tiny_params, tiny_params.valid_data_path, False)
+        get_data_loader(tiny_params, tiny_params.train_data_path, True,
+                        batch_size=tiny_params.local_batch_size)
+        get_data_loader(tiny_params, tiny_params.valid_data_path, False,
+                        batch_size=tiny_params.local_batch_size)
     notices = [r.message for r in caplog.records if "uint16" in r.message]
     assert len(notices) == 1, notices
     assert "2016.h5 and 1 more file(s)" in notices[0]
@@ -125,9 +131,10 @@ def test_a_damaged_chunk_names_the_file_and_sample(tiny_params, tiny_data, tmp_p
     bad = data / "train" / "2016.h5"
     rewrite(bad, compression="gzip")
     damage_chunk(bad, row=3)
-    point_at(tiny_params, data)
-    tiny_params.num_data_workers = workers
-    loader, _, sampler = get_data_loader(tiny_params, tiny_params.train_data_path, True)
+    tiny_params = point_at(tiny_params, data)
+    tiny_params = tiny_params.replace(num_data_workers=workers)
+    loader, _, sampler = get_data_loader(tiny_params, tiny_params.train_data_path, True,
+                                         batch_size=tiny_params.local_batch_size)
     with pytest.raises(DataError) as e:
         epoch_batches(loader, sampler)
     # A worker's error comes back wrapped in its traceback: message_of unwraps it.
@@ -153,8 +160,9 @@ def test_a_user_error_from_a_dali_worker_is_recovered_from_its_traceback():
 def test_the_scan_names_the_bad_sample_of_a_batch_and_only_of_that_batch(tiny_params,
                                                                          tiny_data, tmp_path):
     data = copy_data(tiny_data, tmp_path / "data")
-    point_at(tiny_params, data)
-    _, dataset, sampler = get_data_loader(tiny_params, tiny_params.train_data_path, True)
+    tiny_params = point_at(tiny_params, data)
+    _, dataset, sampler = get_data_loader(tiny_params, tiny_params.train_data_path, True,
+                                          batch_size=tiny_params.local_batch_size)
     scan = BatchScan(dataset, sampler)
     batches = [scan.indices(2, b) for b in range(len(sampler) // sampler.batch_size)]
     assert sorted(i for b in batches for i in b) == list(range(len(dataset)))  # the epoch

@@ -33,8 +33,8 @@ def stats(tiny_data) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unlimited(params):
-    params.limit_nsamples = None
-    params.limit_nsamples_val = None
+    params = params.replace(limit_nsamples=None)
+    params = params.replace(limit_nsamples_val=None)
     return params
 
 
@@ -50,7 +50,7 @@ def test_tiny_data_layout(tiny_data):
 @pytest.mark.parametrize("dt", [1, 2])
 def test_pairs_are_t_and_t_plus_dt_within_and_across_year_files(tiny_params, tiny_data, dt):
     params = unlimited(tiny_params)
-    params.dt = dt
+    params = params.replace(dt=dt)
     ds = ERA5Dataset(params, params.train_data_path, train=True)
     per_file = N - dt  # a pair never spans two years
     assert len(ds) == 2 * per_file
@@ -100,7 +100,7 @@ def test_normalised_training_data_has_mean_0_and_std_1_per_channel(tiny_params):
 
 def test_cropping_to_a_smaller_img_size_keeps_the_top_left_corner(tiny_params, tiny_data):
     params = unlimited(tiny_params)
-    params.img_size = [8, 20]
+    params = params.replace(img_size=[8, 20])
     ds = ERA5Dataset(params, params.train_data_path, train=True)
     means, stds = stats(tiny_data)
     f0 = train_files(tiny_data)[0]
@@ -114,10 +114,10 @@ def test_cropping_to_a_smaller_img_size_keeps_the_top_left_corner(tiny_params, t
 
 def test_limit_nsamples_applies_to_train_and_limit_nsamples_val_to_validation(tiny_params):
     p = tiny_params
-    p.limit_nsamples, p.limit_nsamples_val = 10, 6
+    p = p.replace(limit_nsamples=10, limit_nsamples_val=6)
     assert len(ERA5Dataset(p, p.train_data_path, train=True)) == 10
     assert len(ERA5Dataset(p, p.valid_data_path, train=False)) == 6
-    p.limit_nsamples, p.limit_nsamples_val = 10_000, None  # more than there is: all of it
+    p = p.replace(limit_nsamples=10_000, limit_nsamples_val=None)  # more than there is: all of it
     assert len(ERA5Dataset(p, p.train_data_path, train=True)) == 2 * (N - 1)
     assert len(ERA5Dataset(p, p.valid_data_path, train=False)) == N - 1
 
@@ -125,17 +125,18 @@ def test_limit_nsamples_applies_to_train_and_limit_nsamples_val_to_validation(ti
 # ----------------------------------------------------------------- loaders and samplers
 
 def batches(params, epoch: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    loader, _, sampler = get_data_loader(params, params.train_data_path, train=True, **kw)
+    loader, _, sampler = get_data_loader(params, params.train_data_path, train=True, **kw,
+                                         batch_size=params.local_batch_size)
     sampler.set_epoch(epoch)
     return list(loader)
 
 
 def test_two_workers_yield_the_same_batches_as_zero(tiny_params):
     p = tiny_params
-    p.limit_nsamples, p.local_batch_size = 16, 4
-    p.num_data_workers = 0
+    p = p.replace(limit_nsamples=16, local_batch_size=4)
+    p = p.replace(num_data_workers=0)
     serial = batches(p, epoch=3)
-    p.num_data_workers = 2
+    p = p.replace(num_data_workers=2)
     parallel = batches(p, epoch=3)
     assert len(serial) == len(parallel) == 4
     for (a_in, a_tar), (b_in, b_tar) in zip(serial, parallel, strict=True):
@@ -145,7 +146,7 @@ def test_two_workers_yield_the_same_batches_as_zero(tiny_params):
 
 def test_sample_order_depends_only_on_seed_and_epoch(tiny_params):
     p = tiny_params
-    p.limit_nsamples, p.local_batch_size = 16, 4
+    p = p.replace(limit_nsamples=16, local_batch_size=4)
     a, b, c = batches(p, 1), batches(p, 1), \
         batches(p, 2)
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
@@ -155,8 +156,9 @@ def test_sample_order_depends_only_on_seed_and_epoch(tiny_params):
 def test_set_epoch_can_skip_the_batches_already_done(tiny_params):
     """Resuming mid-epoch: the rest of the epoch is exactly the uninterrupted run's tail."""
     p = tiny_params
-    p.limit_nsamples, p.local_batch_size = 16, 4
-    loader, _, sampler = get_data_loader(p, p.train_data_path, train=True)
+    p = p.replace(limit_nsamples=16, local_batch_size=4)
+    loader, _, sampler = get_data_loader(p, p.train_data_path, train=True,
+                                         batch_size=p.local_batch_size)
     sampler.set_epoch(2)
     full = list(sampler)
     sampler.set_epoch(2, skip_batches=3)
@@ -169,11 +171,12 @@ def test_set_epoch_can_skip_the_batches_already_done(tiny_params):
 
 def test_distributed_shards_for_two_replicas_are_disjoint_and_cover_the_epoch(tiny_params):
     p = tiny_params
-    p.limit_nsamples, p.local_batch_size = 16, 4
+    p = p.replace(limit_nsamples=16, local_batch_size=4)
     shards = []
     for rank in (0, 1):
         loader, ds, sampler = get_data_loader(p, p.train_data_path,
-                                              train=True, num_replicas=2, rank=rank)
+                                              train=True, num_replicas=2, rank=rank,
+                                              batch_size=p.local_batch_size)
         sampler.set_epoch(5)
         indices = list(sampler)
         assert len(indices) == len(ds) // 2 == 8
@@ -188,8 +191,9 @@ def test_distributed_shards_for_two_replicas_are_disjoint_and_cover_the_epoch(ti
 
 def test_validation_is_not_shuffled_and_keeps_the_last_partial_batch(tiny_params):
     p = tiny_params
-    p.limit_nsamples_val, p.local_batch_size = 6, 4
-    loader, ds, sampler = get_data_loader(p, p.valid_data_path, train=False)
+    p = p.replace(limit_nsamples_val=6, local_batch_size=4)
+    loader, ds, sampler = get_data_loader(p, p.valid_data_path, train=False,
+                                          batch_size=p.local_batch_size)
     assert list(sampler) == list(range(6))
     assert [inp.shape[0] for inp, _ in loader] == [4, 2]
 
@@ -242,7 +246,7 @@ def test_channel_count_mismatch(tiny_params, tmp_path):
 
 
 def test_img_size_larger_than_the_data(tiny_params):
-    tiny_params.img_size = [32, 64]
+    tiny_params = tiny_params.replace(img_size=[32, 64])
     with pytest.raises(DataError) as e:
         ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     msg = one_line(e)
@@ -269,7 +273,7 @@ def test_non_hdf5_file(tiny_params, tmp_path):
 def test_stats_shape_mismatch(tiny_params, tmp_path, shape):
     path = tmp_path / "global_means.npy"
     np.save(path, np.zeros(shape, dtype=np.float32))
-    tiny_params.global_means_path = str(path)
+    tiny_params = tiny_params.replace(global_means_path=str(path))
     with pytest.raises(DataError) as e:
         ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     msg = one_line(e)
@@ -279,14 +283,14 @@ def test_stats_shape_mismatch(tiny_params, tmp_path, shape):
 def test_per_pixel_global_stds_are_rejected(tiny_params, tmp_path):
     path = tmp_path / "global_stds.npy"
     np.save(path, np.ones((1, C, 16, 32), dtype=np.float32))
-    tiny_params.global_stds_path = str(path)
+    tiny_params = tiny_params.replace(global_stds_path=str(path))
     with pytest.raises(DataError) as e:
         ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     assert "(1, 20, 16, 32)" in one_line(e)
 
 
 def test_missing_stats_file(tiny_params, tmp_path):
-    tiny_params.global_stds_path = str(tmp_path / "stds.npy")
+    tiny_params = tiny_params.replace(global_stds_path=str(tmp_path / "stds.npy"))
     with pytest.raises(DataError) as e:
         ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
     assert str(tmp_path / "stds.npy") in one_line(e)
@@ -294,12 +298,13 @@ def test_missing_stats_file(tiny_params, tmp_path):
 
 def test_validation_shards_count_every_sample_exactly_once(tiny_params):
     """No padding with repeated samples: an uneven split leaves one rank a sample short."""
-    tiny_params.limit_nsamples_val = 7
+    tiny_params = tiny_params.replace(limit_nsamples_val=7)
     seen = []
     for rank in range(2):
         _, dataset, sampler = get_data_loader(tiny_params, tiny_params.valid_data_path,
                                               train=False,
-                                              num_replicas=2, rank=rank)
+                                              num_replicas=2, rank=rank,
+                                              batch_size=tiny_params.local_batch_size)
         seen.append(list(sampler))
         assert len(sampler) == len(seen[-1])
     assert sorted(seen[0] + seen[1]) == list(range(7))

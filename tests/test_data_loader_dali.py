@@ -16,18 +16,19 @@ import pytest
 import torch
 from helpers import REPO, child_env
 
+from training.main import run_main
 from utils.data.dali import DALIUnavailableError, get_data_loader_dali
 from utils.data.loader import get_data_loader
 from utils.errors import EXIT_USER_ERROR
-from utils.run.main import run_main
 
 ATOL = 1e-6
 
 
 def dali(params, train=True, workers=0, num_replicas=1, rank=0):
-    params.num_data_workers = workers
+    params = params.replace(num_data_workers=workers)
     path = params.train_data_path if train else params.valid_data_path
-    return get_data_loader_dali(params, path, train, num_replicas, rank)
+    return get_data_loader_dali(params, path, train, num_replicas, rank,
+                                batch_size=params.local_batch_size)
 
 
 def sample_ids(batches, dataset) -> list[int]:
@@ -54,9 +55,10 @@ def reference_shard(n: int, seed: int, epoch: int, num_replicas: int, rank: int)
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.e2e)])
 def test_same_batches_as_pytorch_loader(tiny_params, workers):
-    tiny_params.num_data_workers = 0
+    tiny_params = tiny_params.replace(num_data_workers=0)
     ref_loader, _, ref_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
-                                                 train=True)
+                                                 train=True,
+                                                 batch_size=tiny_params.local_batch_size)
     loader, _, sampler = dali(tiny_params, workers=workers)
     assert len(loader) == len(ref_loader) == 32 // 4
     for epoch in (1, 2):
@@ -80,11 +82,12 @@ def test_same_batches_as_pytorch_loader(tiny_params, workers):
 
 
 def test_validation_sees_every_sample_once_with_partial_last_batch(tiny_params):
-    tiny_params.limit_nsamples_val = None  # 23 (t, t+dt) pairs: 5 batches of 4 and one of 3
+    # 23 (t, t+dt) pairs: 5 batches of 4 and one of 3
+    tiny_params = tiny_params.replace(limit_nsamples_val=None)
     loader, dataset, _ = dali(tiny_params, train=False)
-    tiny_params.num_data_workers = 0
+    tiny_params = tiny_params.replace(num_data_workers=0)
     ref_loader, _, _ = get_data_loader(tiny_params, tiny_params.valid_data_path,
-                                       train=False)
+                                       train=False, batch_size=tiny_params.local_batch_size)
     assert len(dataset) == 23 and len(loader) == len(ref_loader) == 6
     for _ in range(2):  # the second pass must not see leftovers of the first
         batches = list(loader)
@@ -130,7 +133,8 @@ def test_order_depends_only_on_the_epoch(tiny_params):
 
 
 def test_limit_nsamples(tiny_params):
-    tiny_params.limit_nsamples = 10  # train drops the last partial batch: 2 batches of 4
+    # train drops the last partial batch: 2 batches of 4
+    tiny_params = tiny_params.replace(limit_nsamples=10)
     loader, dataset, sampler = dali(tiny_params)
     sampler.set_epoch(1)
     batches = list(loader)
@@ -156,11 +160,11 @@ def test_missing_dali_is_a_one_line_config_error(tiny_params, monkeypatch, capsy
 def test_workers_exit_with_the_process(tiny_data):
     """A script that never calls close() (like train.py) leaves no worker processes behind."""
     script = (
-        "from utils.YParams import YParams\n"
+        "from utils.config import read_config\n"
         "from utils.data.dali import get_data_loader_dali\n"
-        f"p = YParams({str(REPO / 'config' / 'ViT.yaml')!r}, 'tiny')\n"
-        "p.local_batch_size, p.num_data_workers = 4, 1\n"
-        "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, True)\n"
+        f"p = read_config({str(REPO / 'config' / 'ViT.yaml')!r}, 'tiny')\n"
+        "p = p.replace(num_data_workers=1)\n"
+        "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, True, batch_size=4)\n"
         "sampler.set_epoch(1)\n"
         "next(iter(loader))  # leaves the epoch (and the workers' prefetching) unfinished\n"
         "print(*loader.worker_pids)\n")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from helpers import assert_close_rel, run_distributed
 
+from distributed import comm
 from distributed.fft import (
     RealFFT2,
     alltoall_bytes,
@@ -28,7 +29,6 @@ from distributed.fft import (
     transpose,
 )
 from distributed.helpers import compute_split_shapes
-from utils import comm
 
 RTOL = 1e-5
 GRID, CHANNELS, BATCH = (7, 10), 5, 2

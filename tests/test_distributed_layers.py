@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from helpers import assert_close_rel, run_distributed
 
+from distributed import comm
 from distributed.helpers import annotation_errors, compute_split_shapes, sync_shared_gradients
 from distributed.layers import (
     ColumnParallelLinear,
@@ -25,7 +26,6 @@ from distributed.layers import (
     load_serial_state_dict,
 )
 from networks.vit import MLP, Attention
-from utils import comm
 
 RTOL = 1e-5
 DIM, HEADS, HIDDEN, BATCH = 16, 4, 32, 2

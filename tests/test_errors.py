@@ -22,7 +22,7 @@ import torch
 from bad_data import copy_data, damage_chunk, flip_tensor_byte, rewrite, set_value
 from helpers import CONFIG_FILE, REPO, TrainRun, assert_one_error_line, free_port, run_script
 
-from utils.run.checkpoint import list_checkpoints
+from training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.e2e
 

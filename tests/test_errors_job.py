@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 def rank1_only_row(tiny_params) -> int:
     """A row of 2017.h5 that rank 1 reads for its first batch and rank 0 does not."""
-    tiny_params.local_batch_size = tiny_params.global_batch_size // 2
+    tiny_params = tiny_params.replace(local_batch_size=tiny_params.global_batch_size // 2)
     mine = first_batch_rows(tiny_params, rank=1, world=2)
     theirs = first_batch_rows(tiny_params, rank=0, world=2)
     rows = sorted(row for name, row in mine - theirs if name == "2017.h5")

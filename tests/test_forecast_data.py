@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
+from utils.data.dataset import ERA5Dataset
 from utils.data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
-from utils.data.loader import ERA5Dataset
 from utils.data.synthetic import CHANNEL_NAMES
 from utils.errors import DataError
 
@@ -58,7 +58,7 @@ def test_more_initial_conditions_than_fit_is_a_one_line_data_error(data):
 def test_windows_are_the_training_loaders_samples_in_a_row(tiny_params, data):
     """Window 0 of an initial condition at sample i is the loader's input of sample i, and
     window k its target of sample i + k - 1 (the pair t, t + 6 h)."""
-    tiny_params.limit_nsamples_val = None
+    tiny_params = tiny_params.replace(limit_nsamples_val=None)
     loader_data = ERA5Dataset(tiny_params, tiny_params.inf_data_path, train=False)
     ics = data.pick(3, 4)
     windows = data.read(ics, 4)
@@ -71,7 +71,8 @@ def test_windows_are_the_training_loaders_samples_in_a_row(tiny_params, data):
 
 
 def test_windows_are_cropped_to_img_size_and_normalised(tiny_params, tiny_data):
-    tiny_params.img_size = [8, 16]  # the loaders read the first rows and columns only
+    # the loaders read the first rows and columns only
+    tiny_params = tiny_params.replace(img_size=[8, 16])
     data = RolloutData(tiny_params, tiny_params.inf_data_path)
     ic = data.pick(1, 2)[0]
     got = data.read([ic], 2)[0].numpy()
@@ -84,7 +85,7 @@ def test_windows_are_cropped_to_img_size_and_normalised(tiny_params, tiny_data):
 
 
 def test_lead_times_follow_dt(tiny_params):
-    tiny_params.dt = 2
+    tiny_params = tiny_params.replace(dt=2)
     data = RolloutData(tiny_params, tiny_params.inf_data_path)
     assert data.lead_hours(3) == [0, 12, 24, 36]
     ic = data.pick(1, 3)[0]

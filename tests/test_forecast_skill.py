@@ -1,4 +1,4 @@
-"""utils/forecast_skill.py and utils/rollout.py against independent computations.
+"""evaluation/forecast_skill.py and evaluation/rollout.py against independent computations.
 
 The reference scores below are plain Python loops over initial conditions, leads, channels
 and grid points, in float64, on de-normalised (physical) fields: no torch, no vectorised
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import reference_scores, run_distributed
 
-from utils.forecast_skill import (
+from evaluation.forecast_skill import (
     CSV_COLUMNS,
     Skill,
     bad_leads_before,
@@ -28,7 +28,7 @@ from utils.forecast_skill import (
     write_csv,
     write_json,
 )
-from utils.rollout import rollout
+from evaluation.rollout import rollout
 
 B, L, C, H, W = 5, 4, 3, 7, 10  # odd H: one row on the equator
 NAMES = ["u10", "t2m", "z500"]
@@ -108,7 +108,7 @@ def _data_parallel_scores(truth, forecast, clim):
     """On each rank: this dp rank's chunk of the initial conditions (inference.py's split),
     its sums, all-reduced over dp."""
     import inference
-    from utils import comm
+    from distributed import comm
 
     comm.init()
     ics = list(range(B))

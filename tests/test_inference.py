@@ -22,8 +22,8 @@ import torch
 from helpers import CONFIG_FILE, reference_scores, run_script
 
 from networks.vit import vit_from_params
-from utils.run.checkpoint import latest_checkpoint
-from utils.YParams import YParams
+from training.checkpoint import latest_checkpoint
+from utils.config import read_config
 
 ITERS = 8
 LEAD = 4
@@ -66,7 +66,7 @@ def evaluated(serial_run):
 def independent_scores(skill_json, checkpoint, tiny_data):
     """Model, persistence and climatology scores of the JSON's initial conditions, computed
     without inference.py's code: (rmse, acc), each (3 forecasts, LEAD + 1, channels)."""
-    params = YParams(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
+    params = read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
     H, W = params.img_size
     model = vit_from_params(params)
     model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
@@ -160,8 +160,8 @@ def test_a_tp2_checkpoint_scores_the_same_serially_and_in_parallel(tp2_run, tp2_
     evaluate(tp2_run, f"--run_dir={run_dir}", *layout, nproc=2, out=tmp_path)
     parallel, serial = json.loads((tmp_path / "skill.json").read_text()), tp2_serial
     tp, cp = (2 if f"--{g}=2" in layout else 1 for g in ("tp", "cp"))
-    assert serial["layout"] == {"tp": 1, "cp": 1, "dp": 1}
-    assert parallel["layout"] == {"tp": tp, "cp": cp, "dp": 2 // (tp * cp)}
+    assert serial["layout"] == {"tp": 1, "cp": 1, "h": 1, "w": 1, "dp": 1}
+    assert parallel["layout"] == {"tp": tp, "cp": cp, "h": 1, "w": 1, "dp": 2 // (tp * cp)}
     assert parallel["initial_conditions"] == serial["initial_conditions"]
     for name in serial["channels"]:
         for metric in ("rmse", "acc"):

@@ -9,14 +9,15 @@ import shutil
 
 import pytest
 import torch
+from helpers import layout_of
 
 import inference
 from networks.vit import vit_from_params
+from training.checkpoint import Checkpointer, read_checkpoint
+from training.progress import Progress
+from training.run import build_optimizer, build_scheduler
 from utils.errors import CheckpointError, ConfigError, DataError
-from utils.precision import grad_scaler
-from utils.run.checkpoint import Checkpointer, read_checkpoint
-from utils.run.progress import Progress
-from utils.training import build_optimizer, build_scheduler
+from utils.precision import Precision
 
 
 @pytest.fixture
@@ -25,12 +26,11 @@ def run_dir(tiny_params, tiny_data, tmp_path, monkeypatch):
     monkeypatch.setenv("DATA_DIR", str(tiny_data))
     monkeypatch.setenv("LOG_DIR", str(tmp_path / "logs"))
     exp_dir = tmp_path / "logs" / "tiny" / "1CPU" / "00"
-    tiny_params["tp"] = 2  # as a train_mp.py run would have saved it
-    model = vit_from_params(tiny_params)
-    optimizer = build_optimizer(tiny_params, model)
-    Checkpointer(str(exp_dir), tiny_params, model, optimizer,
-                 build_scheduler(tiny_params, optimizer),
-                 grad_scaler(tiny_params, torch.device("cpu"))).save(Progress())
+    saved = tiny_params.replace(tp=2)  # as a train_mp.py run would have saved it
+    model = vit_from_params(saved)
+    optimizer = build_optimizer(saved, model)
+    Checkpointer(str(exp_dir), saved, model, optimizer, build_scheduler(saved, optimizer),
+                 Precision("none").grad_scaler(), layout_of(tiny_params)).save(Progress())
     return exp_dir
 
 
@@ -87,7 +87,7 @@ def test_the_saved_config_is_relocated_by_data_dir_and_evaluated_serially(run_di
     params, ckpt = inference.load_config(args(f"--run_dir={run_dir}"), path)
     assert params.config == "tiny" and params.inf_data_path == f"{tiny_data}/test"
     assert (params.tp, params.cp, params.amp_mode) == (1, 1, "none")  # saved tp 2: not used
-    model = inference.load_model(params, ckpt, path, torch.device("cpu"))
+    model = inference.load_model(params, ckpt, path, layout_of(params))
     for name, p in model.named_parameters():
         assert torch.equal(p, ckpt["model"][name]), name
     assert not model.training
@@ -104,9 +104,9 @@ def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):
     path = str(run_dir / "checkpoints" / "ckpt_00000000.pt")
     ckpt = read_checkpoint(path, None)
     del ckpt["model"]["head.weight"]
-    tiny_params["tp"] = 1
-    with pytest.raises(CheckpointError, match=r"does not fit the model: missing \['head.weight'"):
-        inference.load_model(tiny_params, ckpt, path, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"does not fit the model: no tensor for "
+                                              r"parameter head.weight \(1 missing\)"):
+        inference.load_model(tiny_params, ckpt, path, layout_of(tiny_params))
 
 
 @pytest.mark.parametrize("flags, error, message", [
@@ -115,7 +115,7 @@ def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):
      "--n_initial_conditions 21: .* has 20 initial conditions with room for 4 steps"),
     (["--channels", "t850", "q700"], ConfigError, "unknown channel q700; the data has u10,"),
     (["--map_channel=sst"], ConfigError, "unknown channel sst"),
-    (["--tp=3"], ConfigError, "num_heads 4 is not divisible by --tp 3"),
+    (["--tp=3"], ConfigError, "num_heads 4 is not divisible by tp 3 \\(--tp\\)"),
     (["--lead_steps=0"], ConfigError, "--lead_steps must be a positive integer, got 0"),
 ])
 def test_bad_flags_are_one_line_errors_before_any_process_starts(run_dir, flags, error,

@@ -1,4 +1,4 @@
-"""utils/launch_env.py: who am I in the job, from torchrun, SLURM (export_DDP_vars.sh),
+"""distributed/launch_env.py: who am I in the job, from torchrun, SLURM (export_DDP_vars.sh),
 Open MPI or no launcher at all."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from helpers import REPO, one_line
 
-from utils.launch_env import LaunchEnv, LaunchError, resolve_launch_env
+from distributed.launch_env import LaunchEnv, LaunchError, resolve_launch_env
 
 
 def one_line_error(env: dict[str, str]) -> str:

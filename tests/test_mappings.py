@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from helpers import run_distributed
 
+from distributed import comm
 from distributed import mappings as m
 from distributed.helpers import compute_split_shapes, split_tensor_along_dim
-from utils import comm
 
 # (shape, dim): the split dim has uneven lengths for 2, 3 and 4 ranks in most cases
 CASES = [((2, 7, 3), 1), ((3, 2, 5), -1), ((7, 4), 0), ((2, 8, 3), 1)]

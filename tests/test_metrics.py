@@ -1,4 +1,4 @@
-"""utils/evaluation.py against direct float64 numpy implementations.
+"""evaluation/scores.py against direct float64 numpy implementations.
 
 The torch code computes in float32; on O(1) random data its results agree with the float64
 references to rtol 1e-5 / atol 1e-6 (float32 has ~7 significant digits; the sums here have
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.evaluation import (
+from evaluation.scores import (
     l2_loss,
     latitude_weights,
     latitudes,

@@ -14,7 +14,7 @@ from networks.vit import (
     training_flops_per_sample,
     vit_from_params,
 )
-from utils.YParams import YParams
+from utils.config import read_config
 
 # (img_size, patch, embed, heads, depth)
 SHAPES = [
@@ -115,8 +115,7 @@ def test_model_is_deterministic_given_the_seed():
 
 
 def test_vit_from_params_uses_the_config_seed():
-    params = YParams(CONFIG_FILE, "tiny", environ={})
-    params.seed = 3
+    params = read_config(CONFIG_FILE, "tiny", environ={}).replace(seed=3)
     a = vit_from_params(params)
     b = VisionTransformer((16, 32), 4, 20, 20, 32, 2, 4, seed=3)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from helpers import assert_trains_like_serial, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
+from distributed import comm
 from distributed.helpers import annotation_errors, sync_shared_gradients
 from distributed.layers import (
     DistributedLayers,
@@ -33,7 +34,6 @@ from distributed.layers import (
     load_serial_state_dict,
 )
 from networks.vit import VisionTransformer, vit_from_params
-from utils import comm
 
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 TINY = dict(patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4)

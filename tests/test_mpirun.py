@@ -1,7 +1,7 @@
 """Open MPI for real: `mpirun -np 2 python train.py ...` (the README's command) trains like one
 process, as 2-rank torchrun does in tests/test_ddp.py (same losses, same parameters and Adam
 moments, the tolerances and reasons given there). The train script does not call MPI itself:
-it reads the OMPI_COMM_WORLD_* variables mpirun sets (utils/launch_env.py) and meets its peers
+it reads the OMPI_COMM_WORLD_* variables mpirun sets (distributed/launch_env.py) and meets its peers
 at MASTER_ADDR:MASTER_PORT (default 127.0.0.1:29500; the test passes a free port with -x).
 
 mpirun comes from Debian's openmpi-bin, installed at test time when it is missing and the
@@ -28,8 +28,8 @@ from helpers import (
 )
 from mpi_launcher import MPIUnavailable, find_mpirun, mpirun_command, mpirun_env
 
+from distributed.launch_env import LaunchEnv, resolve_launch_env
 from utils.errors import LaunchError
-from utils.launch_env import LaunchEnv, resolve_launch_env
 
 ITERS = TINY_ITERS
 TIMEOUT = 300  # seconds for one 2-rank tiny run on a busy 2-core machine (~30 s measured)

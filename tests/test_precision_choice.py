@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from utils.hardware import (
     measure_slowdown,
     parse_override,
 )
-from utils.precision import auto_amp_mode, autocast, grad_scaler, settle_amp_mode, warn_emulated
+from utils.precision import auto_amp_mode, choose_precision, warn_emulated
 
 CPU = torch.device("cpu")
 FLAGS = ("avx2", "avx512_f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
@@ -85,21 +84,19 @@ def test_auto_on_a_gpu_is_bf16_where_supported_else_fp16():
 @pytest.mark.parametrize("native", [set(), {"bf16"}])
 def test_auto_resolves_in_autocast_and_the_scaler(monkeypatch, native):
     monkeypatch.setenv(ENV_OVERRIDE, ",".join(native) or "none")
-    params = SimpleNamespace(amp_mode="auto")
-    with autocast(params, CPU):
+    precision = choose_precision("auto", CPU)
+    with precision.autocast():
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-    assert dtype == (torch.bfloat16 if native else None)
-    assert not grad_scaler(params, CPU).is_enabled()
+    assert dtype == (torch.bfloat16 if native else None) == precision.dtype
+    assert not precision.grad_scaler().is_enabled()
 
 
-def test_settling_auto_writes_the_choice_and_logs_why(caplog):
-    params = SimpleNamespace(amp_mode="auto")
+def test_choosing_auto_gives_the_hardwares_choice_and_logs_why(caplog):
     with caplog.at_level(logging.INFO, logger="train"):
-        assert settle_amp_mode(params, CPU, CpuPrecision(frozenset(), "no avx512_bf16")) == "none"
-        assert params.amp_mode == "none"
-        params.amp_mode = "auto"
-        settle_amp_mode(params, CPU, CpuPrecision(frozenset({"bf16"}), "avx512_bf16, amx_bf16"))
-        assert params.amp_mode == "bf16"
+        none = CpuPrecision(frozenset(), "no avx512_bf16")
+        assert choose_precision("auto", CPU, none).mode == "none"
+        bf16 = CpuPrecision(frozenset({"bf16"}), "avx512_bf16, amx_bf16")
+        assert choose_precision("auto", CPU, bf16).mode == "bf16"
     assert "amp_mode auto -> none: no native bf16 on this CPU (no avx512_bf16)" in caplog.text
     assert "amp_mode auto -> bf16: native on this CPU (avx512_bf16, amx_bf16)" in caplog.text
 
@@ -108,9 +105,8 @@ def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(ca
     warn_emulated.cache_clear()
     cpu = CpuPrecision(frozenset(), f"{ENV_OVERRIDE}=none")
     with caplog.at_level(logging.INFO, logger="train"):
-        for _ in range(2):  # a second settle (e.g. a second build) does not repeat it
-            params = SimpleNamespace(amp_mode="bf16")
-            assert settle_amp_mode(params, CPU, cpu) == "bf16"  # still trains in bf16
+        for _ in range(2):  # a second choice (e.g. a second build) does not repeat it
+            assert choose_precision("bf16", CPU, cpu).mode == "bf16"  # still trains in bf16
     lines = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert re.search(r"amp_mode bf16 is emulated on this CPU \(.*CPU_NATIVE_PRECISION=none\): "
@@ -122,7 +118,7 @@ def test_native_or_fp32_choices_do_not_warn(caplog):
     cpu = CpuPrecision(frozenset({"bf16"}), "avx512_bf16")
     with caplog.at_level(logging.INFO, logger="train"):
         for mode in ("bf16", "none"):
-            settle_amp_mode(SimpleNamespace(amp_mode=mode), CPU, cpu)
+            choose_precision(mode, CPU, cpu)
     assert not caplog.records
 
 

@@ -1,4 +1,4 @@
-"""Preemption and failures with real processes and real signals (utils/run/preemption.py).
+"""Preemption and failures with real processes and real signals (training/preemption.py).
 
   - one process with two DataLoader workers, SIGUSR1 to all of them once training has
     started (as SLURM signals every process of a step): checkpoint, exit 3, `scontrol
@@ -44,9 +44,9 @@ from helpers import (
     run_script,
 )
 
+from training.checkpoint import list_checkpoints
+from training.preemption import StopSignal
 from utils.errors import EXIT_PREEMPTED
-from utils.run.checkpoint import list_checkpoints
-from utils.run.preemption import StopSignal
 
 ITERS = TINY_ITERS
 TIMEOUT = 240  # seconds per run

@@ -14,7 +14,7 @@ import shlex
 import pytest
 from helpers import CONFIG_FILE, REPO
 
-from utils.YParams import YParams
+from utils.config import read_config
 
 GPUS_PER_NODE = 4          # submit_pm_mp.sh: 4 tasks per node (Perlmutter)
 REFERENCE_LOAD = 16 * 4050 / 4  # samples x tokens / tp of the layout that fits 40 GB
@@ -40,7 +40,7 @@ def per_gpu_load(command: str) -> tuple[float, str]:
         elif w.startswith("--") and "=" in w:
             key, value = w[2:].split("=", 1)
             flags[key] = value
-    p = YParams(CONFIG_FILE, flags["config"])
+    p = read_config(CONFIG_FILE, flags["config"])
     tp = int(flags.get("tp", flags.get("row_parallel_size", p.tp)))
     cp = int(flags.get("cp", p.cp))
     # the AFNO's spatial mesh splits the tokens like cp does (each GPU holds its tile)

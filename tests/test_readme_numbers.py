@@ -8,8 +8,8 @@ import re
 
 from helpers import CONFIG_FILE, REPO
 
+from utils.config import read_config
 from utils.data.synthetic import generate
-from utils.YParams import YParams
 
 README = (REPO / "README.md").read_text()
 
@@ -21,7 +21,7 @@ def steps_per_epoch(config: str) -> int:
     defaults = inspect.signature(generate).parameters
     per_year = defaults["samples_per_year"].default
     years = defaults["train_years"].default
-    params = YParams(CONFIG_FILE, config, environ={})
+    params = read_config(CONFIG_FILE, config, environ={})
     pairs = years * (per_year - int(params.dt))
     if params.limit_nsamples is not None:
         pairs = min(pairs, int(params.limit_nsamples))
@@ -38,7 +38,7 @@ def test_cpu_base_epochs_in_the_readme_follow_from_the_steps_per_epoch():
     claimed = re.search(r"`cpu_base`, (\d+) iterations = (\d+) epochs", README)
     assert claimed
     iters, epochs = (int(g) for g in claimed.groups())
-    assert iters == YParams(CONFIG_FILE, "cpu_base", environ={}).num_iters
+    assert iters == read_config(CONFIG_FILE, "cpu_base", environ={}).num_iters
     assert iters / steps_per_epoch("cpu_base") == epochs
 
 

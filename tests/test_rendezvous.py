@@ -1,4 +1,4 @@
-"""The rendezvous before torch.distributed starts (utils/rendezvous.py), with real processes:
+"""The rendezvous before torch.distributed starts (distributed/rendezvous.py), with real processes:
 a MASTER_ADDR that does not resolve, a port nobody listens on, ranks that never arrive, a
 port already taken and a MASTER_ADDR of another host each end with one `error:` line that
 names the host, the port and the variable to set, within a bound measured here; no warning,
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import REPO, child_env, free_port, one_line, skip_visibly
 
-from utils.errors import LaunchError
-from utils.rendezvous import (
+from distributed.rendezvous import (
     DEFER_MARGIN_SEC,
     RELEASE_GRACE_SEC,
     RESOLVE_TIMEOUT_SEC,
@@ -33,13 +32,14 @@ from utils.rendezvous import (
     timeouts,
     what_to_set,
 )
+from utils.errors import LaunchError
 
 UNRESOLVABLE = "no-such-node.invalid"  # .invalid never resolves (RFC 2606)
 SLACK = 10.0  # seconds for an interpreter to print and exit on a busy 2-core machine
 CONNECT = 3.0  # DIST_CONNECT_TIMEOUT_SEC in these tests
 # A rank of a job, as the train scripts start one: run_main(comm.init_process). "ready"
 # marks the end of the imports, where the clock starts.
-DRIVER = ("from utils import comm\nfrom utils.run.main import run_main\n"
+DRIVER = ("from distributed import comm\nfrom training.main import run_main\n"
           "print('ready', flush=True)\nrun_main(lambda argv: comm.init_process(), [])\n")
 
 

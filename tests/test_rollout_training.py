@@ -21,18 +21,21 @@ from helpers import (
     assert_close_rel,
     assert_completed,
     epoch_losses,
+    layout_of,
     losses,
     one_line,
     run_distributed,
     run_script,
 )
 
+from networks.loss import l2_loss
 from networks.vit import VisionTransformer
-from utils.data.loader import ERA5Dataset
+from training.profiling import StepProfiler
+from training.step import Step, rollout_loss
+from utils.config import read_config
+from utils.data.dataset import ERA5Dataset
 from utils.errors import CheckpointError, ConfigError
-from utils.evaluation import l2_loss
-from utils.run.profiling import StepProfiler
-from utils.training import train_step
+from utils.precision import Precision
 
 C = 20
 
@@ -43,10 +46,12 @@ def tiny_model(seed: int = 0) -> VisionTransformer:
 
 
 def step_run(model: torch.nn.Module, tmp_path) -> SimpleNamespace:
-    """The parts of a Training that `train_step` uses: fp32, Adam, no loss scaling."""
-    params = SimpleNamespace(amp_mode="none")
+    """The parts of a Training that the step uses: fp32, a serial layout, Adam, no loss
+    scaling."""
     cpu = torch.device("cpu")
-    return SimpleNamespace(params=params, device=cpu, model=model,
+    layout = layout_of(read_config(CONFIG_FILE, "tiny", environ={}))  # serial: the l2 loss
+    return SimpleNamespace(ctx=SimpleNamespace(precision=Precision("none")), layout=layout,
+                           model=model,
                            optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
                            scaler=torch.amp.GradScaler("cpu", enabled=False),
                            prof=StepProfiler(cpu, str(tmp_path), enabled=False))
@@ -61,7 +66,7 @@ def test_one_step_targets_train_bitwise_as_the_plain_step(tmp_path):
     opt = torch.optim.Adam(by_hand.parameters(), lr=1e-3)
     run = step_run(model, tmp_path)
     for _ in range(2):
-        loss = train_step(run, x, y)
+        loss = Step()(run, x, y)
         expected = l2_loss(by_hand(x), y)  # the one-step training as written before rollouts
         expected.backward()
         opt.step()
@@ -77,7 +82,7 @@ def test_two_step_loss_is_the_mean_of_the_hand_written_step_losses(tmp_path):
     model = tiny_model()
     by_hand = copy.deepcopy(model)
     opt = torch.optim.Adam(by_hand.parameters(), lr=1e-3)
-    loss = train_step(step_run(model, tmp_path), x, tar)
+    loss = Step()(step_run(model, tmp_path), x, tar)
     first = by_hand(x)
     second = by_hand(first)  # the gradient flows through the first step's output
     expected = (l2_loss(first, tar[:, 0]) + l2_loss(second, tar[:, 1])) / 2
@@ -93,8 +98,8 @@ def test_a_two_step_loss_trains_differently_from_the_one_step_loss(tmp_path):
     # step's loss alone.
     x, tar = torch.randn(2, C, 16, 32), torch.randn(2, 2, C, 16, 32)
     one, two = tiny_model(), tiny_model()
-    train_step(step_run(one, tmp_path), x, tar[:, 0])
-    train_step(step_run(two, tmp_path), x, tar)
+    Step()(step_run(one, tmp_path), x, tar[:, 0])
+    Step()(step_run(two, tmp_path), x, tar)
     assert any(not torch.equal(p, q) for p, q in zip(one.parameters(), two.parameters(),
                                                      strict=True))
 
@@ -103,10 +108,10 @@ def test_a_two_step_loss_trains_differently_from_the_one_step_loss(tmp_path):
 
 def test_k_targets_are_the_next_k_samples_and_each_file_loses_k_minus_1_samples(
         tiny_params, tiny_data):
-    tiny_params.limit_nsamples = None
+    tiny_params = tiny_params.replace(limit_nsamples=None)
     one = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
-    tiny_params.rollout_steps = 3
-    three = ERA5Dataset(tiny_params, tiny_params.train_data_path, train=True)
+    three = ERA5Dataset(tiny_params.replace(rollout_steps=3), tiny_params.train_data_path,
+                        train=True)
     files = sorted((tiny_data / "train").glob("*.h5"))
     assert len(one) == len(files) * (TINY_SAMPLES_PER_YEAR - 1)
     assert len(three) == len(files) * (TINY_SAMPLES_PER_YEAR - 3)
@@ -125,61 +130,61 @@ def test_k_targets_are_the_next_k_samples_and_each_file_loses_k_minus_1_samples(
 
 
 def test_validation_stays_one_step(tiny_params):
-    tiny_params.rollout_steps = 2
-    val = ERA5Dataset(tiny_params, tiny_params.valid_data_path, train=False)
+    val = ERA5Dataset(tiny_params.replace(rollout_steps=2), tiny_params.valid_data_path,
+                      train=False)
     inp, tar = val[0]
     assert inp.shape == tar.shape == (C, 16, 32)
 
 
 def test_dali_with_rollout_steps_is_a_one_line_config_error(tiny_data):
-    from utils.YParams import YParams
+    from utils.config import read_config
 
     with pytest.raises(ConfigError) as err:
-        YParams(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)},
-                overrides={"rollout_steps": 2, "data_loader_config": "dali"})
+        read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)},
+                    flags={"rollout_steps": 2, "data_loader_config": "dali"})
     assert "rollout_steps 2 needs data_loader_config pytorch" in one_line(err)
 
 
 # ----------------------------------------------------------------- init_from
 
 def saved_checkpoint(tmp_path, model: torch.nn.Module, params) -> str:
-    from utils.run.checkpoint import Checkpointer
-    from utils.run.progress import Progress
+    from training.checkpoint import Checkpointer
+    from training.progress import Progress
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ckpt = Checkpointer(str(tmp_path), params, model, opt,
                         torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0),
-                        torch.amp.GradScaler("cpu", enabled=False))
+                        torch.amp.GradScaler("cpu", enabled=False), layout_of(params))
     return ckpt.save(Progress(iters=7, loss_sum=torch.zeros(())))
 
 
 def test_init_from_copies_the_weights_of_a_checkpoint(tmp_path, tiny_params):
     from networks import build_model
-    from utils.run.finetune import load_weights
+    from training.checkpoint import load_weights
 
     trained, fresh = build_model(tiny_params), build_model(tiny_params)
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.5)
     path = saved_checkpoint(tmp_path, trained, tiny_params)
-    assert load_weights(path, tiny_params, fresh) == 7
+    assert load_weights(path, tiny_params, fresh, layout_of(tiny_params)) == 7
     for (name, p), q in zip(fresh.named_parameters(), trained.parameters(), strict=True):
         assert torch.equal(p, q), name
 
 
 def test_init_from_a_bad_file_is_a_one_line_checkpoint_error(tmp_path, tiny_params):
     from networks import build_model
-    from utils.run.finetune import load_weights
+    from training.checkpoint import load_weights
 
     bad = tmp_path / "not_a_checkpoint.pt"
     bad.write_bytes(b"garbage")
     with pytest.raises(CheckpointError) as err:
-        load_weights(str(bad), tiny_params, build_model(tiny_params))
+        load_weights(str(bad), tiny_params, build_model(tiny_params), layout_of(tiny_params))
     assert str(bad) in one_line(err)
     path = saved_checkpoint(tmp_path, build_model(tiny_params), tiny_params)
-    tiny_params.embed_dim = 64  # another model
+    tiny_params = tiny_params.replace(embed_dim=64)  # another model
     with pytest.raises(CheckpointError) as err:
-        load_weights(path, tiny_params, build_model(tiny_params))
+        load_weights(path, tiny_params, build_model(tiny_params), layout_of(tiny_params))
     assert "embed_dim=32" in one_line(err)
 
 
@@ -228,28 +233,29 @@ def _spatial_rollout(h: int, w: int) -> None:
     """The AFNO maps a tile to a tile: a rollout on a mesh, with the loss of tiles, is the
     serial rollout's loss and gradient (max |err| <= 1e-5 x max |serial|: the tiles' sums
     add the same terms in another order)."""
+    from distributed import comm
     from distributed.helpers import sync_shared_gradients
     from distributed.layers import gather_full_grads
-    from distributed.spatial import SpatialLayers, scatter_image
-    from distributed.spatial_metrics import l2_loss as spatial_l2_loss
-    from networks.afno import AFNONet, afno_from_params
-    from utils import comm
-    from utils.training import rollout_loss
+    from distributed.spatial import scatter_image
+    from networks import build_model
+    from networks.afno import AFNONet
+    from utils.config import read_config
 
     torch.set_num_threads(1)
     comm.init(h=h, w=w)
-    config = dict(img_size=[28, 36], patch_size=4, n_in_channels=3, n_out_channels=3,
-                  embed_dim=16, depth=2, num_blocks=4, mlp_ratio=4.0, sparsity_threshold=0.01,
-                  hard_thresholding_fraction=1.0, seed=3)
+    cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
+        img_size=[28, 36], patch_size=4, n_in_channels=3, n_out_channels=3, embed_dim=16,
+        depth=2, num_blocks=4, seed=3, h_parallel_size=h, w_parallel_size=w)
+    spatial = layout_of(cfg)  # train_mp.py's layout: its layers and its loss of tiles
     serial = AFNONet(img_size=(28, 36), patch_size=4, in_chans=3, out_chans=3, embed_dim=16,
                      depth=2, num_blocks=4, seed=3)
-    model = afno_from_params(SimpleNamespace(**config), layers=SpatialLayers())
+    model = build_model(cfg, layers=spatial.layers)
     g = torch.Generator().manual_seed(0)
     x, tar = torch.randn(2, 3, 28, 36, generator=g), torch.randn(2, 2, 3, 28, 36, generator=g)
     expected = rollout_loss(serial, x, tar, l2_loss)
     expected.backward()
     tile = lambda t: scatter_image(t, serial.grid, 4)  # noqa: E731
-    loss = rollout_loss(model, tile(x), tile(tar), spatial_l2_loss)
+    loss = rollout_loss(model, tile(x), tile(tar), spatial.loss)
     loss.backward()
     sync_shared_gradients(model)
     where = f"h={h} w={w}"

@@ -1,4 +1,4 @@
-"""Run directories (utils/run/run_dirs.py): every run its own name, and which earlier run
+"""Run directories (training/run_dirs.py): every run its own name, and which earlier run
 `--run_num`, `--resume` and a SLURM restart continue."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 import torch
 from helpers import CONFIG_FILE, run_distributed, run_script
 
-from utils.cli import build_parser, load_params
-from utils.run.run_dirs import (
+from training.run_dirs import (
     MAX_LABEL,
     choose_run,
     create_run,
@@ -21,6 +20,7 @@ from utils.run.run_dirs import (
     parse,
     run_label,
 )
+from utils.config import load_config
 
 LABEL = "amp_mode=bf16-num_data_workers=4"
 
@@ -74,17 +74,17 @@ def test_a_long_label_is_cut_and_ends_in_a_hash_of_the_whole():
 
 
 def test_the_command_line_gives_the_label_in_the_flag_order_of_the_code():
-    def parse_flags(flags):
-        return build_parser("t").parse_args(["--yaml_config", str(CONFIG_FILE), *flags])
+    def label(flags):
+        cfg = load_config(["--yaml_config", str(CONFIG_FILE), *flags], "t", model_parallel=True)
+        return run_label(cfg.flags)
 
-    a = load_params(parse_flags(["--config=tiny", "--num_data_workers", "4", "--amp_mode",
-                                 "bf16", "--num_iters", "8", "--resume", "--noddp"]))
-    b = load_params(parse_flags(["--config=tiny", "--amp_mode", "bf16", "--noddp",
-                                 "--num_data_workers", "4", "--bucket_cap_mb", "25"]))
-    assert a.run_label == b.run_label == f"{LABEL}-noddp"
-    assert a.run_num is None  # not given: named when the run starts
-    assert load_params(parse_flags(["--config=tiny", "--bucket_cap_mb", "50"])).run_label == \
-        "bucket_cap_mb=50"
+    a = label(["--config=tiny", "--num_data_workers", "4", "--amp_mode", "bf16",
+               "--num_iters", "8", "--resume", "--noddp"])
+    b = label(["--config=tiny", "--amp_mode", "bf16", "--noddp", "--num_data_workers", "4",
+               "--bucket_cap_mb", "25"])  # 25: DDP's default, no change
+    assert a == b == f"{LABEL}-noddp"
+    assert label(["--config=tiny", "--bucket_cap_mb", "50"]) == "bucket_cap_mb=50"
+    assert label(["--config=tiny", "--tp", "2"]) == "tp=2"
 
 
 def test_names_parse_back_into_base_and_label():
@@ -197,13 +197,11 @@ def test_resume_from_a_file_continues_the_run_that_holds_it(tmp_path):
 # ----------------------------------------------------------------------------- all ranks
 
 def _resolve(log_dir: str) -> tuple[str, str]:
-    from utils.run.setup import experiment_dir, resolve_run_num
-    from utils.YParams import YParams
+    from training.setup import choose_run_dir
+    from utils.config import read_config
 
-    params = YParams(CONFIG_FILE, "tiny", environ={"LOG_DIR": log_dir})
-    params.update({"run_label": "tp=2", "resume": None})
-    why = resolve_run_num(params, 2, torch.device("cpu"))
-    return experiment_dir(params, 2, torch.device("cpu")), why
+    cfg = read_config(CONFIG_FILE, "tiny", environ={"LOG_DIR": log_dir}, flags={"tp": 2})
+    return choose_run_dir(cfg, torch.device("cpu"))
 
 
 @pytest.mark.distributed
@@ -266,5 +264,5 @@ def test_the_readme_ladder_names_the_runs_as_train_py_names_them():
     assert len(commands) == len(names) == 6, (commands, names)
     for i, (command, name) in enumerate(zip(commands, names, strict=True)):
         flags = ["--yaml_config", str(CONFIG_FILE), *command.split()]
-        label = load_params(build_parser("t").parse_args(flags)).run_label
+        label = run_label(load_config(flags, "t").flags)
         assert name == (f"{i:02d}-{label}" if label else f"{i:02d}"), command

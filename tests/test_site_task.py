@@ -138,7 +138,7 @@ def test_other_scripts_are_not_traced_node_by_node(tmp_path):
 
 
 def test_without_nsys_the_training_script_writes_its_trace_into_its_run_directory():
-    # Nothing exported: utils/run/profiling.py then writes <run dir>/profile/, as it does
+    # Nothing exported: training/profiling.py then writes <run dir>/profile/, as it does
     # outside SLURM, so the README names one place for both.
     cmd, exported = command({"ENABLE_PROFILING": "1"}, "train.py", "--config=short")
     assert cmd == ["python3", "train.py", "--config=short"]
@@ -225,7 +225,7 @@ def preset(env: dict[str, str]) -> dict[str, str]:
 def test_perlmutter_runs_an_image_whose_pytorch_is_new_enough():
     """The image named in the preset is one whose release notes give PyTorch >= MIN_TORCH
     (NGC 25.12: 2.10.0a0); the old ngc-23.07 image (PyTorch 2.1) is gone."""
-    from utils.startup_checks import torch_version_problem
+    from distributed.startup_checks import torch_version_problem
 
     pm = preset({"SCRATCH": "/scratch"})
     assert "--image=nvcr.io/nvidia/pytorch:25.12-py3" in pm["SITE_LAUNCHER"]

@@ -30,7 +30,7 @@ from helpers import (
 )
 from slurm_cluster import SlurmCluster, parse_fields
 
-from utils.rendezvous import RESOLVE_TIMEOUT_SEC
+from distributed.rendezvous import RESOLVE_TIMEOUT_SEC
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 

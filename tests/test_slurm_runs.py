@@ -20,7 +20,7 @@ from helpers import REPO, generic_job_env, preempt_slurm_job, slurm_job_output
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-from utils.run.checkpoint import list_checkpoints
+from training.checkpoint import list_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 

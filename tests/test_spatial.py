@@ -1,6 +1,6 @@
 """Tiles of a field over the h x w mesh (distributed.spatial) and the loss and skill scores
-computed from tiles (distributed.spatial_metrics' loss, utils.evaluation's scores given a
-Tile) against the serial ones on the whole field: the L2 loss and its gradient, the
+computed from tiles (the spatial layout's loss, evaluation.scores's scores given a Tile)
+against the serial ones on the whole field: the L2 loss and its gradient, the
 validation loss, latitude-weighted RMSE and ACC, and the whole field put back together.
 
 Tolerance: max |err| <= 1e-5 x max |serial|: the tiles' sums add the same terms in another
@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close_rel, run_distributed
+from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
 
+from distributed import comm
 from distributed.spatial import gather_image, scatter_image, tile_bounds
-from distributed.spatial_metrics import l2_loss
-from utils import comm
-from utils.evaluation import l2_loss as serial_l2_loss
-from utils.evaluation import relative_l2, weighted_acc_channels, weighted_rmse_channels, whole_field
+from evaluation.scores import (
+    relative_l2,
+    weighted_acc_channels,
+    weighted_rmse_channels,
+    whole_field,
+)
+from networks.loss import l2_loss as serial_l2_loss
+from utils.config import read_config
 from utils.tile import Tile
 
 RTOL = 1e-5  # of the serial value's largest entry
@@ -44,7 +49,10 @@ def _run(h: int, w: int) -> None:
     pred_full = pred.clone().requires_grad_()
     serial_l2_loss(pred_full, target).backward()
     pred_tile = tile(pred).requires_grad_()
-    loss = l2_loss(pred_tile, tile(target))
+    cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
+        img_size=list(pred.shape[-2:]), patch_size=PATCH, h_parallel_size=h,
+        w_parallel_size=w)
+    loss = layout_of(cfg).loss(pred_tile, tile(target))  # the spatial layout's loss
     loss.backward()
     assert_close_rel(loss.detach(), serial_l2_loss(pred, target), f"{where} l2 loss", RTOL)
     assert_close_rel(pred_tile.grad, tile(pred_full.grad), f"{where} l2 loss gradient", RTOL)
@@ -70,4 +78,8 @@ def test_one_rank_tile_is_the_whole_field() -> None:
     pred, target, _ = _fields()
     assert tile_bounds(GRID, PATCH) == (slice(0, 28), slice(0, 36))
     assert torch.equal(scatter_image(pred, GRID, PATCH), pred)
-    assert_close_rel(l2_loss(pred, target), serial_l2_loss(pred, target), "l2 loss", RTOL)
+    cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
+        img_size=list(pred.shape[-2:]), patch_size=PATCH)
+    one = layout_of(cfg)  # a 1 x 1 mesh is the serial layout
+    assert one.kind == "serial" and one.tile.is_whole
+    assert_close_rel(one.loss(pred, target), serial_l2_loss(pred, target), "l2 loss", RTOL)

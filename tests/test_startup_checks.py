@@ -1,4 +1,4 @@
-"""utils/startup_checks.py: a too-old PyTorch and GPUs that were assigned but are not visible
+"""distributed/startup_checks.py: a too-old PyTorch and GPUs that were assigned but are not visible
 stop the process with one line, on CPU: the environment, the version string and the CUDA
 device count are injected; the CLI runs against this machine's real (CPU) PyTorch."""
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 from helpers import REPO, child_env, one_line
 
-from utils.errors import LaunchError
-from utils.startup_checks import (
+from distributed.startup_checks import (
     MIN_TORCH,
     check_gpus_visible,
     check_torch_version,
@@ -20,6 +19,7 @@ from utils.startup_checks import (
     parse_version,
     torch_version_problem,
 )
+from utils.errors import LaunchError
 
 MIN = ".".join(map(str, MIN_TORCH))
 
@@ -136,7 +136,7 @@ def test_the_device_count_is_not_asked_for_when_no_gpu_was_requested():
 # ----------------------------------------------------------------- the CLI, this machine
 
 def run_cli(**env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "utils.startup_checks"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "distributed.startup_checks"], cwd=REPO,
                           env=child_env(env), capture_output=True, text=True, timeout=120)
 
 

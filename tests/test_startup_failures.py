@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, assert_one_error_line, child_env, run_script
 
+from training.checkpoint import list_checkpoints
 from utils.errors import EXIT_PREEMPTED
-from utils.run.checkpoint import list_checkpoints
 
 TIMEOUT = 180
 

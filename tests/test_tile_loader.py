@@ -67,11 +67,12 @@ def _stitch(tiles: list[torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dp_rank", [0, 1])
 def test_the_ranks_of_a_mesh_read_the_same_samples_sharded_over_dp_only(tiny_params, dp_rank):
-    tiny_params.local_batch_size = 2
+    tiny_params = tiny_params.replace(local_batch_size=2)
     shard = {"num_replicas": 2, "rank": dp_rank}
     ref, _, ref_sampler = get_data_loader(tiny_params, tiny_params.train_data_path, True,
-                                          **shard)
-    loaders = [get_loader(tiny_params, tiny_params.train_data_path, True, tile=t, **shard)
+                                          **shard, batch_size=tiny_params.local_batch_size)
+    loaders = [get_loader(tiny_params, tiny_params.train_data_path, True, tile=t, **shard,
+                          batch_size=tiny_params.local_batch_size)
                for t in MESH_2X2]
     for epoch in (0, 3):
         ref_sampler.set_epoch(epoch)
@@ -88,12 +89,12 @@ def test_dali_reads_the_same_tiles_as_the_pytorch_loader(tiny_params):
     pytest.importorskip("nvidia.dali")
     from utils.data.dali import get_data_loader_dali
 
-    tiny_params.num_data_workers = 0
+    tiny_params = tiny_params.replace(num_data_workers=0)
     tile = TILES[-1]  # uneven, off the edges
     ref, _, ref_sampler = get_data_loader(tiny_params, tiny_params.valid_data_path, False,
-                                          tile=tile)
+                                          tile=tile, batch_size=tiny_params.local_batch_size)
     loader, _, sampler = get_data_loader_dali(tiny_params, tiny_params.valid_data_path, False,
-                                              tile=tile)
+                                              tile=tile, batch_size=tiny_params.local_batch_size)
     try:
         n = 0
         for (inp, tar), (ref_inp, ref_tar) in zip(loader, ref, strict=True):

@@ -15,12 +15,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import EPOCH_LINES, TINY_ITERS_PER_EPOCH, assert_completed, losses, run_script
+from helpers import (
+    CONFIG_FILE,
+    EPOCH_LINES,
+    TINY_ITERS_PER_EPOCH,
+    assert_completed,
+    layout_of,
+    losses,
+    run_script,
+)
 
 from networks.vit import VisionTransformer
-from utils.evaluation import l2_loss
-from utils.precision import grad_scaler
-from utils.training import lr_factor
+from training.run import lr_factor
+from utils.config import read_config
+from utils.precision import Precision
 
 SCALARS = ("Loss/train", "Loss/valid", "RMSE(u10m)/valid", "Learning Rate", "Avg iters per sec",
            "Avg samples per sec")
@@ -132,28 +140,24 @@ def test_precision_and_loader_flags_train_and_reach_the_config(run_train, flags,
 
 
 def test_grad_scaler_is_enabled_only_for_fp16_and_a_scaled_fp16_step_trains(tmp_path):
-    from utils.run.profiling import StepProfiler
-    from utils.training import train_step
-
-    class P:
-        amp_mode = "fp16"
+    from training.profiling import StepProfiler
+    from training.step import Step
 
     cpu = torch.device("cpu")
     for mode, enabled in (("none", False), ("bf16", False), ("fp16", True)):
-        P.amp_mode = mode
-        assert grad_scaler(P, cpu).is_enabled() is enabled, mode
-    P.amp_mode = "fp16"
+        assert Precision(mode).grad_scaler().is_enabled() is enabled, mode
     torch.manual_seed(0)
     model = VisionTransformer((16, 32), 4, 20, 20, 32, 1, 4)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scaler = grad_scaler(P, cpu)
+    scaler = Precision("fp16").grad_scaler()
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(2, 20, 16, 32), torch.randn(2, 20, 16, 32)
     prof = StepProfiler(cpu, str(tmp_path), enabled=False)
-    run = SimpleNamespace(params=P, device=cpu, model=model, optimizer=optimizer,
-                          scaler=scaler, prof=prof,
-                          loss_fn=l2_loss)  # the parts of a Training the step uses
-    loss = train_step(run, x, y)
+    # the parts of a Training the step uses, with the tiny config's serial layout
+    layout = layout_of(read_config(CONFIG_FILE, "tiny", environ={}))
+    run = SimpleNamespace(ctx=SimpleNamespace(precision=Precision("fp16")), layout=layout,
+                          model=model, optimizer=optimizer, scaler=scaler, prof=prof)
+    loss = Step()(run, x, y)
     assert torch.isfinite(loss)
     assert scaler.get_scale() == 65536.0  # finite gradients: no back-off
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

@@ -21,9 +21,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import TINY_ITERS, assert_completed, assert_same_training, run_distributed, run_script
+from helpers import (
+    TINY_ITERS,
+    assert_completed,
+    assert_same_training,
+    layout_of,
+    run_distributed,
+    run_script,
+)
 
-from utils.cli import add_model_parallel_args, build_parser
+from utils.config import flag_parser
 
 ITERS = TINY_ITERS
 TIMEOUT = 240  # seconds per training subprocess
@@ -57,12 +64,12 @@ def local_parameter_count(params, tp: int, cp: int) -> int:
     """Parameters held by one rank of a tp x cp layout (runs on tp * cp processes)."""
 
     def count() -> int:
-        from distributed.layers import DistributedLayers
+        from distributed import comm
         from networks.vit import vit_from_params
-        from utils import comm
 
         comm.init(tp=tp, cp=cp)
-        model = vit_from_params(params, layers=DistributedLayers())  # as train_mp.py builds it
+        layers = layout_of(params.replace(tp=tp, cp=cp)).layers  # as train_mp.py decides
+        model = vit_from_params(params, layers=layers)
         return sum(p.numel() for p in model.parameters())
 
     counts = run_distributed(count, tp * cp, timeout=120)
@@ -128,7 +135,7 @@ def test_cp_keeps_every_parameter_on_every_rank(cp2, tiny_params):
 
 
 def test_row_parallel_size_is_the_tutorials_name_for_tp():
-    parser = add_model_parallel_args(build_parser("test"))
+    parser = flag_parser("test", model_parallel=True)
     assert parser.parse_args(["--row_parallel_size", "2"]).tp == 2
     assert parser.parse_args(["--row_parallel_size=4"]).tp == 4
     assert parser.parse_args([]).tp is None  # the config's tp applies

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from utils.cli import FLAG_KEYS
-from utils.config_schema import GROUPS, expected
+from utils.config_schema import GROUPS, Flag, expected
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
@@ -25,7 +24,17 @@ def _default(field: Any) -> str:
     value = field.default
     if isinstance(value, bool):
         value = str(value).lower()  # YAML's spelling
-    return f"`{value}`"
+    return f"`{value}`" if value != "" else '`""`'  # `` would be no code span at all
+
+
+def _flag(field: Any, key: str) -> str:
+    """The key's command-line flag and its aliases, from its `Flag` marker ('' if none);
+    flags of the model-parallel scripts only are marked so."""
+    flag = next((m for m in field.metadata if isinstance(m, Flag)), None)
+    if flag is None:
+        return ""
+    names = ", ".join(f"`{name}`" for name in (f"--{key}", *flag.aliases))
+    return f"{names} (model-parallel scripts)" if flag.model_parallel else names
 
 
 def render() -> str:
@@ -35,8 +44,8 @@ def render() -> str:
         out += [f"**{group.__doc__}**", "",
                 "| key | type | default | flag | meaning |", "|---|---|---|---|---|"]
         for key, field in group.model_fields.items():
-            flag = f"`--{key}`" if key in FLAG_KEYS else ""
-            cells = [f"`{key}`", expected(key), _default(field), flag, field.description or ""]
+            cells = [f"`{key}`", expected(key), _default(field), _flag(field, key),
+                     field.description or ""]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         out.append("")
     return "\n".join(out)

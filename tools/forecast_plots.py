@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from utils.forecast_skill import (  # noqa: E402
+from evaluation.forecast_skill import (  # noqa: E402
     HEADLINE_CHANNELS,
     USEFUL_ACC,
     Skill,

@@ -19,11 +19,12 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 )
 
 from networks import build_model  # noqa: E402
-from utils.data.loader import ERA5Dataset  # noqa: E402
-from utils.run.checkpoint import latest_checkpoint  # noqa: E402
-from utils.run.figures import target_vs_prediction  # noqa: E402
-from utils.run.run_dirs import newest_checkpointed  # noqa: E402
-from utils.YParams import YParams  # noqa: E402
+from training.checkpoint import latest_checkpoint  # noqa: E402
+from training.logs import target_vs_prediction  # noqa: E402
+from training.run_dirs import newest_checkpointed  # noqa: E402
+from utils.config import read_config  # noqa: E402
+from utils.config_schema import Config  # noqa: E402
+from utils.data.dataset import ERA5Dataset  # noqa: E402
 
 
 def scalars(run_dir: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -54,13 +55,12 @@ def plot_curves(run_dir: str, out: str, label: str = "ViT") -> None:
 
 
 @torch.no_grad()
-def plot_t2m(params: YParams, run_dir: str, out: str, index: int = 0) -> None:
-    params.local_batch_size = 1
-    model = build_model(params)
+def plot_t2m(cfg: Config, run_dir: str, out: str, index: int = 0) -> None:
+    model = build_model(cfg)
     ckpt = torch.load(latest_checkpoint(run_dir), map_location="cpu", weights_only=False)
     model.load_state_dict(ckpt["model"])
     model.eval()
-    data = ERA5Dataset(params, params.valid_data_path, train=False)
+    data = ERA5Dataset(cfg, cfg.valid_data_path, train=False)
     inp, tar = data[index]
     pred = model(inp[None])[0]
     mean, std = float(data.means[2, 0, 0]), float(data.stds[2, 0, 0])
@@ -78,16 +78,16 @@ def main() -> None:
                    help="run directory (default: the newest single-process run of the config)")
     p.add_argument("--out", default="docs")
     args = p.parse_args()
-    params = YParams(args.yaml_config, args.config)
+    cfg = read_config(args.yaml_config, args.config)
     run = args.run or newest_checkpointed(
-        glob.glob(os.path.join(params.expdir, args.config, "1[CG]PU", "*")))
+        glob.glob(os.path.join(cfg.expdir, args.config, "1[CG]PU", "*")))
     if run is None:
         raise SystemExit(f"error: no run of {args.config} with a checkpoint in "
-                         f"{params.expdir}/{args.config}/1CPU|1GPU; give --run")
+                         f"{cfg.expdir}/{args.config}/1CPU|1GPU; give --run")
     os.makedirs(args.out, exist_ok=True)
     plot_curves(run, os.path.join(args.out, f"{args.config}_curves.png"),
-                label={"vit": "ViT", "afno": "AFNO"}[params.model])
-    plot_t2m(params, run, os.path.join(args.out, f"{args.config}_t2m.png"))
+                label={"vit": "ViT", "afno": "AFNO"}[cfg.model])
+    plot_t2m(cfg, run, os.path.join(args.out, f"{args.config}_t2m.png"))
     print(f"wrote {args.out}/{args.config}_curves.png and {args.config}_t2m.png")
 
 

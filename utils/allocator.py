@@ -3,10 +3,9 @@
 By default glibc hands large blocks (>= 128 KiB, adapting up to 32 MiB) straight to the
 operating system when they are freed, and trims the top of the heap. A training step frees
 its activations, gradients and the last batch every step, so the next step gets fresh
-pages from the kernel, each zero-filled on first touch: ~20,000 page faults per bf16
-cpu_short step on a 2-core Xeon, 10 % of its time (178 ms -> 158 ms per step measured with
-these settings). Keeping freed blocks for reuse is what PyTorch's CUDA allocator does on a
-GPU, and what tcmalloc/jemalloc do when preloaded.
+pages from the kernel, each zero-filled on first touch: tens of thousands of page faults a
+step, a tenth of a CPU step's time (docs/benchmarks.md). Keeping freed blocks for reuse is
+what PyTorch's CUDA allocator does on a GPU, and what tcmalloc/jemalloc do when preloaded.
 
 The train scripts and benchmarks call `keep_freed_memory()` once at start-up. Any MALLOC_*
 environment variable means you tune malloc yourself: then nothing is changed. Elsewhere than

@@ -1,13 +1,18 @@
-"""The config's schema: every key, its type, range, default and meaning, in one place.
+"""The config's schema: every key, its type, range, default, meaning and command-line flag,
+declared once.
 
 A config section (YAML merged with command-line flags) is checked once against `Config`
 (pydantic v2): wrong types, out-of-range values, unknown or missing keys and inconsistent
 combinations become a one-line `ConfigError` that names the key, its value, where it came
-from and what was expected. Valid values come back normalised (the string "5E-4" -> 0.0005).
+from and what was expected. Valid values come back normalised (the string "5E-4" -> 0.0005)
+in a frozen `Config`: what the code receives is what was checked, and nothing changes it
+later (`cfg.replace(key=value)` makes a new, checked one).
 
-    params = validate(section, where="config 'tiny' of config/ViT.yaml", flags={"seed"})
+    cfg = validate(section, where="config 'tiny' of config/ViT.yaml", flags={"seed"})
 
-`python -m tools.config_reference` renders this schema as the README's config table.
+A key whose type carries `Flag()` is also a command-line flag (utils/config.py builds the
+parser from here); `python -m tools.config_reference` renders this schema as
+docs/config_reference.md.
 """
 
 from __future__ import annotations
@@ -21,7 +26,19 @@ from annotated_types import Ge, Gt, Le, Len, Lt, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from utils.errors import ConfigError
-from utils.rank_generator import AXES, DEFAULT_ORDER, parse_axes
+
+# The rank layout's axes (distributed/rank_generator.py), fastest-varying first by default.
+AXES = ("tp", "cp", "h", "w", "dp")
+DEFAULT_ORDER = "-".join(AXES)
+
+
+def parse_axes(name: str) -> list[str]:
+    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
+    axes = name.split("-")
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or len(set(axes)) != len(axes):
+        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
+    return axes
 
 
 class Expect:
@@ -29,6 +46,15 @@ class Expect:
 
     def __init__(self, text: str):
         self.text = text
+
+
+class Flag:
+    """Annotation metadata: the key is also a command-line flag, `--<key>` (and `aliases`).
+    `model_parallel` flags exist only in the model-parallel scripts; `const` is the value of
+    the flag given without one (`--resume` alone means "auto")."""
+
+    def __init__(self, *aliases: str, model_parallel: bool = False, const: str | None = None):
+        self.aliases, self.model_parallel, self.const = aliases, model_parallel, const
 
 
 def _single_path_component(value: str) -> str:
@@ -60,7 +86,7 @@ AxisOrder = Annotated[str, AfterValidator(_axis_order),
 
 
 class Keys(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
 
 class ModelKeys(Keys):
@@ -87,47 +113,57 @@ class TrainingKeys(Keys):
     """Training"""
 
     dt: PosInt = Field(1, description="6-hour steps between input and target")
-    rollout_steps: PosInt = Field(
+    rollout_steps: Annotated[PosInt, Flag()] = Field(
         1, description="training loss over K autoregressive steps of dt (1: one-step loss)")
     global_batch_size: PosInt = Field(description="samples per optimizer step, over all dp ranks")
-    local_batch_size: PosInt | None = Field(
+    local_batch_size: Annotated[PosInt | None, Flag()] = Field(
         None, description="samples per rank; if set, global = local x dp size")
-    num_iters: PosInt = Field(description="training iterations (optimizer steps)")
+    num_iters: Annotated[PosInt, Flag()] = Field(
+        description="training iterations (optimizer steps)")
     lr: PosFloat = Field(description="peak learning rate")
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
     warmup: NonNegInt = Field(0, description="iterations of linear LR warm-up")
     optimizer: Literal["Adam"] = Field("Adam", description="optimizer")
     betas: Annotated[list[Fraction], Len(2, 2)] = Field([0.9, 0.95], description="Adam betas")
-    amp_mode: Literal["none", "fp16", "bf16", "auto"] = Field(
+    amp_mode: Annotated[Literal["none", "fp16", "bf16", "auto"], Flag()] = Field(
         "none", description="autocast precision; auto: bf16 where the hardware runs it "
         "natively (GPUs since Ampere, CPUs with AVX512-BF16/AMX), fp16 on older GPUs, else none")
-    enable_fused: bool = Field(False, description="fused Adam kernel")
-    enable_jit: bool = Field(False, description="torch.compile the model")
-    seed: Seed = Field(0, description="seed of weights, data order and dropout")
+    enable_fused: Annotated[bool, Flag()] = Field(False, description="fused Adam kernel")
+    enable_jit: Annotated[bool, Flag()] = Field(False, description="torch.compile the model")
+    seed: Annotated[Seed, Flag()] = Field(
+        0, description="seed of weights, data order and dropout")
 
 
 class RunKeys(Keys):
     """Run directory and checkpoints"""
 
     expdir: PathStr = Field(description="log root (LOG_DIR replaces it)")
-    run_num: RunTag | None = Field(
+    run_num: Annotated[RunTag | None, Flag()] = Field(
         None, description="run directory `expdir/<config>/<N>CPU/<run_num>`, reused as it is; "
                           "None: every run a new one (job id or next number, then the flags)")
-    checkpoint_interval: NonNegInt = Field(
+    checkpoint_interval: Annotated[NonNegInt, Flag()] = Field(
         1000, description="iterations between checkpoints (0: only at the end)")
-    checkpoint_keep: PosInt = Field(3, description="newest checkpoints kept")
-    init_from: PathStr | None = Field(
-        None, description="checkpoint whose weights start a fine-tune (iteration 0, fresh "
-                          "optimizer and schedule; --resume wins)")
+    checkpoint_keep: Annotated[PosInt, Flag()] = Field(3, description="newest checkpoints kept")
+    init_from: Annotated[PathStr | None, Flag()] = Field(
+        None, description="start from this checkpoint's weights: a fine-tune (iteration 0, "
+                          "fresh optimizer and schedule; --resume wins)")
+    resume: Annotated[str | None, Flag(const="auto")] = Field(
+        None, description="resume from this checkpoint file, or ('auto', the flag alone) from "
+                          "the newest checkpoint of the run it names (utils/config.py)")
+    requeue: Annotated[bool, Flag()] = Field(
+        False, description="on SIGUSR1/SIGTERM: checkpoint, then `scontrol requeue` the job; "
+                           "the requeued run (SLURM_RESTART_COUNT > 0) resumes by itself")
 
 
 class DataKeys(Keys):
     """Data"""
 
-    data_loader_config: Literal["pytorch", "dali"] = Field("pytorch", description="data loader")
-    num_data_workers: NonNegInt = Field(0, description="loader worker processes per rank")
-    prefetch_thread: bool = Field(
+    data_loader_config: Annotated[Literal["pytorch", "dali"], Flag()] = Field(
+        "pytorch", description="data loader")
+    num_data_workers: Annotated[NonNegInt, Flag()] = Field(
+        0, description="loader worker processes per rank")
+    prefetch_thread: Annotated[bool, Flag()] = Field(
         False, description="PyTorch loader: read the next batches in a thread of the "
         "training process (small machines: no worker process competing for the cores)")
     data_dir: PathStr = Field(description="data root (DATA_DIR replaces it in every path below)")
@@ -144,17 +180,39 @@ class DataKeys(Keys):
 class ParallelKeys(Keys):
     """Parallelism and launch"""
 
-    tp: PosInt = Field(1, description="tensor-parallel size (splits heads and MLP)")
-    cp: PosInt = Field(1, description="context-parallel size (splits the token sequence)")
-    h_parallel_size: PosInt = Field(1, description="spatial-parallel ranks over token rows")
-    w_parallel_size: PosInt = Field(1, description="spatial-parallel ranks over token columns")
-    parallel_order: AxisOrder = Field(DEFAULT_ORDER, description="rank layout, fastest axis first")
+    tp: Annotated[PosInt, Flag("--row_parallel_size", model_parallel=True)] = Field(
+        1, description="tensor-parallel size (heads and MLP split across tp ranks)")
+    cp: Annotated[PosInt, Flag(model_parallel=True)] = Field(
+        1, description="context-parallel size (token sequence split across cp ranks)")
+    h_parallel_size: Annotated[PosInt, Flag(model_parallel=True)] = Field(
+        1, description="spatial-parallel ranks over token rows (AFNO: distributed FFT)")
+    w_parallel_size: Annotated[PosInt, Flag(model_parallel=True)] = Field(
+        1, description="spatial-parallel ranks over token columns (AFNO)")
+    parallel_order: Annotated[AxisOrder, Flag(model_parallel=True)] = Field(
+        DEFAULT_ORDER, description="rank layout, fastest-varying axis first")
+    bucket_cap_mb: Annotated[PosInt, Flag()] = Field(
+        25, description="DDP gradient bucket size (MB; 25 is DDP's own default)")
+    disable_broadcast_buffers: Annotated[bool, Flag()] = Field(
+        False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
+    noddp: Annotated[bool, Flag()] = Field(
+        False, description="skip the gradient all-reduce (wrong training; measures its cost)")
     wireup_info: Literal["env", "mpi"] = Field(
         "env", description="tutorial key; the launcher is detected from the environment")
     wireup_store: Literal["tcp", "file"] = Field("tcp", description="tutorial key, as above")
 
 
-GROUPS: tuple[type[Keys], ...] = (ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys)
+class SourceKeys(Keys):
+    """Where the config came from (set by utils/config.py, saved in every checkpoint)"""
+
+    config: str = Field("", description="the YAML section's name (--config)")
+    yaml_config: str = Field("", description="the YAML file (--yaml_config)")
+    flags: dict[str, Any] = Field(
+        {}, description="the command-line flags that changed a value, `key: value`: they "
+                        "name the run directory")
+
+
+GROUPS: tuple[type[Keys], ...] = (ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys,
+                                  SourceKeys)
 
 
 def _check_patches(c: Config) -> None:
@@ -216,8 +274,14 @@ def _check_layout(c: Config) -> None:
                          "model vit is split with tp and cp (or use model afno)")
 
 
-class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys):
+class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKeys):
     """Every key of a config section; checks across keys run once the keys are valid."""
+
+    def replace(self, **changes: Any) -> Config:
+        """A new config with `changes`, checked like the original (this one is frozen)."""
+        return validate({**self.model_dump(), **changes},
+                        f"config '{self.config}' with {', '.join(changes)} changed",
+                        flags=set(changes))
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -312,7 +376,7 @@ def _order(err: dict[str, Any]) -> int:
 
 
 def validate(data: dict[str, Any], where: str, flags: set[str] | frozenset = frozenset()
-             ) -> dict[str, Any]:
+             ) -> Config:
     """The section `data` checked and normalised, with defaults for absent optional keys.
 
     `where` names the section for messages ("config 'tiny' of config/ViT.yaml"); `flags`
@@ -320,7 +384,7 @@ def validate(data: dict[str, Any], where: str, flags: set[str] | frozenset = fro
     Raises ConfigError naming the first problem (and the keys of any others).
     """
     try:
-        return Config.model_validate(data).model_dump()
+        return Config.model_validate(data)
     except ValidationError as e:
         errors = sorted(e.errors(), key=_order)
     first = _explain(errors[0], data, where, flags)

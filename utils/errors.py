@@ -1,10 +1,10 @@
 """Errors a user can fix (a bad flag, config, data file, launch or checkpoint), and exit codes.
 
 A leaf module: everything may import it, it imports nothing of the project. `run_main`
-(utils/run/main.py) prints any `UserError` as one `error: ...` line and exits with
+(training/main.py) prints any `UserError` as one `error: ...` line and exits with
 EXIT_USER_ERROR; anything else is a bug and keeps its traceback.
 
-In a job of several processes the line is printed once (utils/run/error_report.py): an error
+In a job of several processes the line is printed once (training/main.py): an error
 that every rank raises alike (`every_rank`: a config error, or one raised after the ranks
 agreed on it) by rank 0, any other by the first rank that fails.
 """
@@ -25,7 +25,7 @@ class UserError(ValueError):
     every_rank = False
     # Seconds a rank other than 0 stays silent before printing this error: rank 0 is
     # expected to report the same failure, and the launcher then ends this rank
-    # (utils/rendezvous.py). A stop signal meanwhile means exactly that: it stays silent.
+    # (distributed/rendezvous.py). A stop signal meanwhile means exactly that: it stays silent.
     defer = 0.0
 
     def __init__(self, *args: object, every_rank: bool | None = None):

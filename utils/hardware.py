@@ -1,8 +1,8 @@
 """What the processor computes natively: which reduced precisions its matrix units run in
 hardware, and how much slower a matmul in an emulated one measures.
 
-A CPU without bf16 instructions still runs bf16 autocast, but every bf16 GEMM is emulated:
-on a 2-core AVX2-only AMD EPYC a bf16 matmul measured 0.9 GFLOP/s against 110 in fp32.
+A CPU without bf16 instructions still runs bf16 autocast, but every bf16 GEMM is emulated,
+two orders of magnitude slower than fp32 (docs/benchmarks.md).
 `amp_mode: auto` (utils/precision.py) therefore asks here before it picks bf16 on a CPU.
 
 The answer comes from PyTorch's own CPU feature detection (cpuinfo, the library oneDNN's

@@ -43,8 +43,8 @@ TIMEOUT = 600           # seconds per training subprocess (CUDA start-up, cuDNN 
 
 def why_no_cuda() -> str:
     """One line: why PyTorch sees no CUDA device here."""
+    from distributed.startup_checks import check_gpus_visible
     from utils.errors import LaunchError
-    from utils.startup_checks import check_gpus_visible
 
     try:
         check_gpus_visible()

@@ -37,7 +37,7 @@ DALI_INSTALL = "pip install nvidia-dali-cuda120 (or the wheel for your CUDA)"
 
 TF32_PROBE = """\
 import json, torch
-from utils.comm import init_process
+from distributed.comm import init_process
 _, device = init_process()
 g = torch.Generator(device=device).manual_seed(0)
 a = torch.randn(1024, 1024, device=device, generator=g)

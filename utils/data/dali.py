@@ -4,7 +4,7 @@ The HDF5 reads run in the worker processes of DALI's parallel external source, a
 normalisation is a DALI operator (on the GPU when there is one), so the training process only
 receives ready batches. The result is interchangeable with the PyTorch loader:
 
-    loader, dataset, sampler = get_data_loader_dali(params, path, train=True)
+    loader, dataset, sampler = get_data_loader_dali(cfg, path, train=True, batch_size=16)
     sampler.set_epoch(epoch)            # or set_epoch(epoch, skip_batches=k) to resume
     for inp, tar in loader:             # torch float32 (B, C, H, W): CPU, or CUDA on a GPU
         ...
@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.data.loader import ERA5Dataset, ShardSampler, dataset_and_sampler
+from utils.config_schema import Config
+from utils.data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.errors import ConfigError, DataError
 from utils.tile import Tile
 
@@ -214,22 +215,23 @@ class DALILoader:
         self._pipe = None
 
 
-def get_data_loader_dali(params: Any, location: str, train: bool, num_replicas: int = 1,
-                         rank: int = 0, tile: Tile | None = None
+def get_data_loader_dali(cfg: Config, location: str, train: bool, num_replicas: int = 1,
+                         rank: int = 0, tile: Tile | None = None, *, batch_size: int
                          ) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
     """Returns (loader, dataset, sampler), like `utils.data.loader.get_data_loader`.
 
-    `params.num_data_workers` worker processes read the files (0: the training process reads
+    `cfg.num_data_workers` worker processes read the files (0: the training process reads
     them itself); batches come out on the current CUDA device if there is one, else on the CPU.
     With a `tile`, the workers read only its rows and columns (as the PyTorch loader does).
     """
     require_dali()
-    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank, tile)
+    dataset, sampler = dataset_and_sampler(cfg, location, train, num_replicas, rank, tile,
+                                           batch_size=batch_size)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    workers = int(params.num_data_workers or 0)
+    workers = cfg.num_data_workers
     threads = max(1, min(4, os.cpu_count() or 1))
     loader = DALILoader(dataset, sampler, workers, device, num_threads=threads)
     return loader, dataset, sampler

@@ -16,9 +16,11 @@ import h5py
 import numpy as np
 import torch
 
-from utils.data.loader import ERA5Dataset
+from utils.config_schema import Config
+from utils.data.dataset import ERA5Dataset
 from utils.data.synthetic import CHANNEL_NAMES
 from utils.errors import DataError
+from utils.tile import Tile
 
 HOURS_PER_SAMPLE = 6
 # Initial conditions when --n_initial_conditions is not given (fewer if the test split has
@@ -39,9 +41,9 @@ class InitialCondition:
 class RolloutData:
     """The test split, read as windows x_0 .. x_L of consecutive samples."""
 
-    def __init__(self, params: Any, location: str):
+    def __init__(self, cfg: Config, location: str):
         self.location = location
-        data = ERA5Dataset(params, location, train=False)  # one-line DataError if anything is off
+        data = ERA5Dataset(cfg, location, train=False)  # one-line DataError if anything is off
         self.files, self.dt, self.img_size = data.files, data.dt, data.img_size
         self.lengths = [n + self.dt for n in data.samples_per_file]  # samples per file
         self.means, self.stds = data.means, data.stds  # (C, 1, 1)
@@ -92,14 +94,17 @@ class RolloutData:
             self._fields[path] = h5py.File(path, "r")["fields"]
         return self._fields[path]
 
-    def read(self, ics: list[InitialCondition], lead_steps: int) -> torch.Tensor:
-        """(B, L+1, C, H, W) normalised fields at leads 0..L of each initial condition."""
-        H, W = self.img_size
+    def read(self, ics: list[InitialCondition], lead_steps: int,
+             tile: Tile | None = None) -> torch.Tensor:
+        """(B, L+1, C, H, W) normalised fields at leads 0..L of each initial condition;
+        with a `tile` (spatial parallelism), only its rows and columns of the grid."""
+        tile = tile or Tile.whole(self.img_size)
         span = lead_steps * self.dt
         windows = []
         for ic in ics:
-            # One hyperslab: rows i, i+dt, ..., i+span; the first H x W grid points.
-            x = self._dataset(ic.file)[ic.index: ic.index + span + 1: self.dt, :, :H, :W]
+            # One hyperslab: rows i, i+dt, ..., i+span; the tile's grid points.
+            x = self._dataset(ic.file)[ic.index: ic.index + span + 1: self.dt, :,
+                                       tile.rows, tile.cols]
             x -= self.means
             x /= self.stds
             windows.append(torch.from_numpy(x))

@@ -1,249 +1,55 @@
-"""PyTorch data loader for the ERA5 layout: (input at t, target at t + dt) pairs; for training
-on rollouts (`rollout_steps` K > 1) the targets at t + dt, ..., t + K*dt.
-
-<data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
-(n_samples, channels, H, W); samples are 6 hours apart. Fields are normalised with the
-global per-channel means and standard deviations and cropped to `img_size`. With a `tile`
-(spatial parallelism) a rank reads only its block of rows and columns of that grid: an HDF5
-hyperslab read, so its memory and read volume shrink with the mesh.
-"""
+"""The training and validation loaders: PyTorch's DataLoader over the ERA5 dataset
+(utils/data/dataset.py), optionally run ahead by a prefetch thread, or NVIDIA DALI's
+(utils/data/dali.py); `get_loader` picks the one the config names."""
 
 from __future__ import annotations
 
-import glob
-import itertools
-import os
 from typing import Any
 
-import h5py
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 
-from utils.data.batch_read import keep_batch, read_batch
-from utils.data.checks import FieldsReader, check_dtypes, check_stats
+from utils.config_schema import Config
+from utils.data.batch_read import keep_batch
+from utils.data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.data.prefetch import PrefetchLoader
-from utils.errors import DataError
 from utils.tile import Tile
 
 
-def list_year_files(path: str) -> list[str]:
-    if not os.path.isdir(path):
-        raise DataError(f"data directory {path} does not exist "
-                        "(make the synthetic data with `python -m utils.data.synthetic`, "
-                        "or set DATA_DIR)")
-    files = sorted(glob.glob(os.path.join(path, "*.h5")))
-    if not files:
-        raise DataError(f"no .h5 files in {path}")
-    return files
-
-
-def load_stats(path: str, channels: int, name: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise DataError(f"statistics file {path} not found")
-    try:
-        stats = np.load(path)
-    except (OSError, ValueError) as e:  # not an .npy file, truncated, a pickle
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{name} {path} is not a readable .npy file ({first})") from None
-    if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
-        raise DataError(f"{name} {path} has shape {stats.shape}, "
-                        f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
-    return check_stats(stats[:, :channels], path, name)
-
-
-def load_stds(path: str, channels: int) -> np.ndarray:
-    """The global standard deviations: `load_stats`, and every one > 0."""
-    return check_stats(load_stats(path, channels, "global stds"), path, "global stds",
-                       positive=True)
-
-
-class ERA5Dataset(Dataset):
-    """Sample i -> (normalised fields at t, normalised fields at t + dt), each (C, H, W), or
-    (C, rows, cols) of `tile` (a block of the `img_size` grid). A training set with
-    `rollout_steps` K > 1 gives the K targets at t + dt, ..., t + K*dt stacked as
-    (K, C, H, W); validation stays one step."""
-
-    def __init__(self, params: Any, location: str, train: bool, tile: Tile | None = None):
-        self.location = location
-        self.train = train
-        self.dt = int(params.dt)
-        self.steps = int(params.get("rollout_steps", 1) or 1) if train else 1
-        self.n_channels = int(params.n_in_channels)
-        self.img_size = tuple(int(s) for s in params.img_size)
-        self.tile = tile or Tile.whole(self.img_size)
-        if self.tile.grid != self.img_size:
-            raise ValueError(f"tile of a {self.tile.grid} grid, img_size is {self.img_size}")
-        self.files = list_year_files(location)
-        self.samples_per_file = []
-        for path in self.files:
-            self.samples_per_file.append(self._check_file(path))
-        check_dtypes(self.files)
-        self.offsets = np.cumsum([0] + self.samples_per_file)
-        self.n_samples = int(self.offsets[-1])
-        limit = params.limit_nsamples if train else params.limit_nsamples_val
-        if limit is not None:
-            self.n_samples = min(self.n_samples, int(limit))
-        if self.n_samples <= 0:
-            raise DataError(f"{location} has no (t, t+{self.dt * self.steps}) sample pairs")
-        means = load_stats(params.global_means_path, self.n_channels, "global means")
-        stds = load_stds(params.global_stds_path, self.n_channels)
-        if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
-            raise DataError(f"global means/stds must be (1, {self.n_channels}, 1, 1), got "
-                            f"{means.shape} and {stds.shape}")
-        self.means, self.stds = means[0], stds[0]  # (C, 1, 1)
-        self._handles: list[FieldsReader | None] = [None] * len(self.files)
-        self._pid = None
-
-    def _check_file(self, path: str) -> int:
-        try:
-            with h5py.File(path, "r") as f:
-                if "fields" not in f:
-                    raise DataError(f"{path} has no dataset 'fields' (found: {list(f.keys())})")
-                shape = f["fields"].shape
-        except OSError as e:
-            raise DataError(f"{path} is not a readable HDF5 file: {e}") from None
-        if len(shape) != 4:
-            raise DataError(f"{path}: 'fields' has shape {shape}, expected (n, C, H, W)")
-        n, c, h, w = shape
-        if c != self.n_channels:
-            raise DataError(f"{path}: 'fields' has {c} channels, config n_in_channels is "
-                            f"{self.n_channels}")
-        if h < self.img_size[0] or w < self.img_size[1]:
-            raise DataError(f"{path}: fields are {h}x{w}, smaller than img_size "
-                            f"{self.img_size[0]}x{self.img_size[1]}")
-        return max(n - self.dt * self.steps, 0)  # the last target stays inside the file
-
-    def __len__(self) -> int:
-        return self.n_samples
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """Global sample index -> (file index, index within the file)."""
-        if not 0 <= index < self.n_samples:
-            raise IndexError(f"sample {index} outside [0, {self.n_samples})")
-        file_idx = int(np.searchsorted(self.offsets, index, side="right") - 1)
-        return file_idx, index - int(self.offsets[file_idx])
-
-    def _fields(self, file_idx: int):
-        # HDF5 handles must not cross fork(): open lazily, once per worker process.
-        if self._pid != os.getpid():
-            self._handles, self._pid = [None] * len(self.files), os.getpid()
-        if self._handles[file_idx] is None:
-            # Keep the dataset object, not just the file: looking "fields" up per sample
-            # rebuilds h5py's per-dataset state, ~0.4 ms of every sample read.
-            path = self.files[file_idx]
-            self._handles[file_idx] = FieldsReader(h5py.File(path, "r")["fields"], path)
-        return self._handles[file_idx]
-
-    def read_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Raw (un-normalised) input and target arrays of the tile (default: the `img_size`
-        crop). Slicing the h5py dataset reads only that hyperslab from the file."""
-        file_idx, local = self.locate(index)
-        rows, cols = self.tile.rows, self.tile.cols
-        fields = self._fields(file_idx)
-        inp = fields[local, :, rows, cols]
-        if self.steps == 1:
-            tar = fields[local + self.dt, :, rows, cols]
-        else:  # one strided hyperslab read: (K, C, rows, cols)
-            last = local + self.dt * self.steps
-            tar = fields[local + self.dt:last + 1:self.dt, :, rows, cols]
-        return inp, tar
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inp, tar = self.read_pair(index)
-        for x in (inp, tar):  # fresh arrays from h5py: normalise in place, no temporaries
-            x -= self.means
-            x /= self.stds
-        return torch.from_numpy(inp), torch.from_numpy(tar)
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole batch (the DataLoader calls this instead of `__getitem__` per sample):
-        fewer HDF5 reads and one normalisation pass, see utils/data/batch_read.py. K-step
-        targets (`rollout_steps` > 1) are read sample by sample."""
-        if self.steps > 1:
-            pairs = [self[i] for i in indices]
-            return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        return read_batch(self, indices)
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_handles"], state["_pid"] = [None] * len(self.files), None
-        return state
-
-
-class ShardSampler(DistributedSampler):
-    """`DistributedSampler` that can start an epoch part-way, to resume mid-epoch.
-
-    The order depends only on (seed, epoch): a resumed run skips the batches already done
-    and then sees exactly the samples the uninterrupted run would have seen.
-    """
-
-    def __init__(self, dataset: Dataset, batch_size: int, **kwargs: Any):
-        super().__init__(dataset, **kwargs)
-        self.batch_size = batch_size
-        self.skip = 0
-        if not self.drop_last:
-            # Validation: no padding by repeated samples (they would be counted twice);
-            # rank r takes samples r, r + R, ... and shards may differ in length by one.
-            self.total_size = len(dataset)
-            self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
-
-    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.skip = skip_batches * self.batch_size
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(super().__len__() - self.skip, 0)
-
-
-def dataset_and_sampler(params: Any, location: str, train: bool, num_replicas: int = 1,
-                        rank: int = 0, tile: Tile | None = None
-                        ) -> tuple[ERA5Dataset, ShardSampler]:
-    """The dataset and its seeded shard sampler, shared by the PyTorch and DALI loaders."""
-    dataset = ERA5Dataset(params, location, train, tile)
-    sampler = ShardSampler(dataset, int(params.local_batch_size), num_replicas=num_replicas,
-                           rank=rank, shuffle=train, seed=int(params.get("seed", 0) or 0),
-                           drop_last=train)
-    return dataset, sampler
-
-
-def get_loader(params: Any, location: str, train: bool, num_replicas: int = 1, rank: int = 0,
-               tile: Tile | None = None):
-    """The loader `params.data_loader_config` names ('pytorch' or 'dali'): returns
-    (loader, dataset, sampler). Data-parallel ranks pass their dp rank and size; spatially
-    parallel ranks their `tile` (the ranks of one mesh read the same samples)."""
-    if params.data_loader_config == "dali":
+def get_loader(cfg: Config, location: str, train: bool, num_replicas: int = 1, rank: int = 0,
+               tile: Tile | None = None, *, batch_size: int
+               ) -> tuple[Any, ERA5Dataset, ShardSampler]:
+    """The loader `cfg.data_loader_config` names ('pytorch' or 'dali'), of `batch_size`
+    samples per batch: returns (loader, dataset, sampler). Data-parallel ranks pass their dp
+    rank and size; spatially parallel ranks their `tile` (the ranks of one mesh read the
+    same samples)."""
+    if cfg.data_loader_config == "dali":
         from utils.data.dali import get_data_loader_dali  # optional dependency: import on use
 
-        return get_data_loader_dali(params, location, train, num_replicas, rank, tile)
-    return with_prefetch(params, *get_data_loader(params, location, train, num_replicas, rank,
-                                                  tile))
-
-
-def with_prefetch(params: Any, loader: DataLoader, dataset: ERA5Dataset,
-                  sampler: ShardSampler) -> tuple[Any, ERA5Dataset, ShardSampler]:
-    """`prefetch_thread: true`: the loader runs ahead in a thread (utils/data/prefetch.py)."""
-    if params.get("prefetch_thread"):
+        return get_data_loader_dali(cfg, location, train, num_replicas, rank, tile,
+                                    batch_size=batch_size)
+    loader, dataset, sampler = get_data_loader(cfg, location, train, num_replicas, rank, tile,
+                                               batch_size=batch_size)
+    if cfg.prefetch_thread:  # the loader runs ahead in a thread (utils/data/prefetch.py)
         return PrefetchLoader(loader), dataset, sampler
     return loader, dataset, sampler
 
 
-def get_data_loader(params: Any, location: str, train: bool, num_replicas: int = 1,
-                    rank: int = 0, tile: Tile | None = None):
+def get_data_loader(cfg: Config, location: str, train: bool, num_replicas: int = 1,
+                    rank: int = 0, tile: Tile | None = None, *, batch_size: int
+                    ) -> tuple[DataLoader, ERA5Dataset, ShardSampler]:
     """The PyTorch DataLoader: returns (loader, dataset, sampler).
 
     The sampler is always a seeded `ShardSampler` (one replica when not distributed)
     so that the sample order depends only on (seed, epoch) and data-parallel ranks read
     disjoint shards. Model-parallel ranks pass their data-parallel rank and size.
     """
-    dataset, sampler = dataset_and_sampler(params, location, train, num_replicas, rank, tile)
-    workers = int(params.num_data_workers)
+    dataset, sampler = dataset_and_sampler(cfg, location, train, num_replicas, rank, tile,
+                                           batch_size=batch_size)
+    workers = cfg.num_data_workers
     loader = DataLoader(
         dataset,
-        batch_size=int(params.local_batch_size),
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
         persistent_workers=workers > 0,

@@ -4,8 +4,8 @@ An HDF5 read copies the bytes twice before the loader sees them: the kernel copi
 the page cache into HDF5's buffer, HDF5 into the array. When a sample is stored as plain
 float32 bytes (no compression or other filter, native byte order, the tutorial's layouts:
 contiguous, or chunked with whole samples per chunk) its bytes can be read where they lie:
-`np.memmap` maps the file, and the normalisation reads the mapped pages directly (a batch of
-cpu_short: 4.4 ms of CPU time against 10.6 ms through h5py, 13.4 ms per sample).
+`np.memmap` maps the file, and the normalisation reads the mapped pages directly (less than
+half the CPU time of a read through h5py: docs/benchmarks.md).
 
 `mapped(path)` says whether a file qualifies: every sample's byte range is
 looked up once (HDF5's chunk index, or the contiguous offset) and checked to lie inside the

@@ -17,7 +17,7 @@ first, then valid, then test, so the splits never share samples. A "year" file h
 samples_per_year 6-hourly samples and one full seasonal cycle (a real year is 1460 samples).
 The dynamics run on a grid of at most 48 x 96 (at least 32 x 64) and are interpolated
 spectrally to the output grid. Defaults: 64 x 128, 128 samples per year (shortened 32-day
-years), 2 + 1 + 1 years: ~340 MB, written in ~15 s on one core.
+years), 2 + 1 + 1 years.
 """
 
 from __future__ import annotations

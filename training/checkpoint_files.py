@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from utils import comm
+from distributed import comm
+from distributed.launch_env import slurm_restarts
 from utils.errors import CheckpointError
-from utils.launch_env import slurm_restarts
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def set_aside_newer(exp_dir: str, iters: int) -> str | None:
     directory (a fresh start in a directory reused by `--run_num`, or a SLURM restart
     without `--requeue`) or the part after an older checkpoint it resumes from
     (`--resume PATH`). A new run without `--run_num` has a directory of its own
-    (utils/run/run_dirs.py), so there is nothing to set aside. Left in
+    (training/run_dirs.py), so there is nothing to set aside. Left in
     place, keep-K would delete the new run's files in their favour (names sort by iteration)
     and `--resume` (auto) would pick them up after the next interruption.
     """

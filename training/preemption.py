@@ -31,7 +31,7 @@ Which signal reaches the training processes depends on the launcher:
                              SLURM signals every process of the step: PyTorch DataLoader
                              workers inherit the handler (and ignore the signal).
 
-The train scripts catch both signals from their first line on (utils/run/signals.py): a
+The train scripts catch both signals from their first line on (training/signals.py): a
 signal during start-up (imports, process groups, model, data) ends the process at once with
 "stopped by SIGUSR1 before training started: nothing to save" and exit code 3; the earlier
 checkpoints are untouched. Only the interpreter's own start-up, before the script's first
@@ -52,8 +52,8 @@ import subprocess
 
 import torch
 
-from utils import comm
-from utils.run import signals as stop_signals
+from distributed import comm
+from training import signals as stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 class StopSignal:
     """Catches SIGUSR1/SIGTERM; `should_stop()` at each step boundary says whether to stop.
 
-    Making one ends the start-up phase of utils/run/signals.py: from here on a signal is a
+    Making one ends the start-up phase of training/signals.py: from here on a signal is a
     request to checkpoint, not to exit at once."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)):

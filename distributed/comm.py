@@ -39,11 +39,11 @@ import torch.distributed as dist
 # and gloo's threads with it, until the interpreter exits (see `shutdown`).
 import torch.distributed.nn  # noqa: F401, I001
 
-from utils import rendezvous
+from distributed import rendezvous
+from distributed.launch_env import LaunchEnv, resolve_launch_env
+from distributed.rank_generator import RankGenerator
+from distributed.startup_checks import run_startup_checks
 from utils.errors import ConfigError
-from utils.launch_env import LaunchEnv, resolve_launch_env
-from utils.rank_generator import RankGenerator
-from utils.startup_checks import run_startup_checks
 
 GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
 # "mp" is a name, not an axis: the group of all model-parallel axes.
@@ -107,7 +107,7 @@ def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", backend: str | N
          verbose: bool = False, h: int = 1, w: int = 1) -> None:
     """Build the process groups of a tp x cp x h x w x dp layout (dp is what is left).
 
-    `order` lists the axes fastest-varying first (see utils.rank_generator). Every process
+    `order` lists the axes fastest-varying first (see distributed.rank_generator). Every process
     must call this with the same arguments: creating a group is collective over the world.
     `backend` is only used when this call has to initialise torch.distributed itself.
     """

@@ -7,11 +7,16 @@ rank its RNG states and its partial epoch loss, so an interrupted run continues 
 where it stopped: same batches, same losses, bitwise the same parameters (same layout).
 
 The files (ckpt_<iters:08d>.pt, atomic saves, keep-K, integrity, which one `--resume`
-takes) are utils/run/checkpoint_files.py. Parameters that are NaN/inf are never saved.
+takes) are training/checkpoint_files.py. Parameters that are NaN/inf are never saved.
 
 Checkpoints are loaded with `torch.load(weights_only=True)`: tensors and plain Python
 containers only, so a checkpoint file cannot run code when it is loaded.
-"""
+
+A fine-tune (`init_from`, `load_weights`) takes only the weights, unlike `--resume`, which
+continues a run exactly: it starts at iteration 0 with a fresh optimizer and schedule, as
+FourCastNet's second training stage does. The checkpoint's tensors are full (serial)
+tensors; the run's layout cuts this rank's shard or
+tile, so a checkpoint of any layout starts a fine-tune in any layout."""
 
 from __future__ import annotations
 
@@ -25,10 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils import comm
-from utils.errors import CheckpointError, DivergedError
-from utils.model_wrappers import unwrap
-from utils.run.checkpoint_files import (  # noqa: F401 - also this module's API
+from distributed import comm
+from distributed.layout import Layout
+from training.checkpoint_files import (  # noqa: F401 - also this module's API
     checkpoint_dir,
     checkpoint_iteration,
     damage,
@@ -40,8 +44,11 @@ from utils.run.checkpoint_files import (  # noqa: F401 - also this module's API
     save_atomic,
     set_aside_newer,
 )
-from utils.run.disk import free_bytes, human_bytes
-from utils.run.progress import Progress
+from training.disk import free_bytes, human_bytes
+from training.progress import Progress
+from utils.config_schema import Config
+from utils.errors import CheckpointError, DivergedError
+from utils.model_wrappers import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +101,7 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str],
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
                          names: list[str],
-                         to_local: Callable[[str, torch.Tensor], torch.Tensor],
+                         to_local: Callable[..., torch.Tensor],
                          path: str = "checkpoint") -> None:
     sd = optimizer.state_dict()
     if len(saved["param_groups"]) != len(sd["param_groups"]):
@@ -111,7 +118,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
         state[idx] = {}
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0:
-                v = _to_local(to_local, name, v, path, f"optimizer state {k} of ")
+                v = to_local(name, v, path, f"optimizer state {k} of ")
                 if v.shape != local_shapes[name]:
                     raise CheckpointError(f"{path}: optimizer state {k} of {name} has shape "
                                           f"{tuple(v.shape)}, the model expects "
@@ -134,20 +141,44 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _to_local(to_local: Callable, name: str, tensor: torch.Tensor, path: str,
-              what: str = "") -> torch.Tensor:
-    """to_local with its errors (a full tensor that does not split) as CheckpointError."""
+def _cut(layout: Layout, name: str, full: torch.Tensor, param: torch.Tensor, where: str,
+         what: str = "") -> torch.Tensor:
+    """This rank's part of a checkpoint's full tensor, its errors (a tensor that does not
+    split, or has another shape) as one-line CheckpointErrors."""
     try:
-        return to_local(name, tensor)
+        local = layout.local_tensor(full, param)
     except (ValueError, RuntimeError, IndexError) as e:
-        raise CheckpointError(f"{path}: {what}{name} of shape {tuple(tensor.shape)} does not "
+        raise CheckpointError(f"{where}: {what}{name} of shape {tuple(full.shape)} does not "
                               f"fit this model ({str(e).splitlines()[0]})") from None
+    if local.shape != param.shape:
+        raise CheckpointError(f"{where}: {what}{name} has shape {tuple(local.shape)}, the "
+                              f"model expects {tuple(param.shape)}")
+    return local
+
+
+@torch.no_grad()
+def load_model_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor], layout: Layout,
+                       where: str) -> None:
+    """Copy a checkpoint's full (serial) model tensors into `model`, each cut to this
+    rank's part by the layout: resume, fine-tuning and evaluation all load weights here.
+    Collective when the layout shards parameters. A missing or extra tensor, or one that
+    does not fit, is a one-line CheckpointError."""
+    params = dict(unwrap(model).named_parameters())
+    missing = [n for n in params if n not in saved]
+    unexpected = [n for n in saved if n not in params]
+    if missing or unexpected:
+        which = (f"no tensor for parameter {missing[0]} ({len(missing)} missing)" if missing
+                 else f"tensor {unexpected[0]}, which this model does not have "
+                      f"({len(unexpected)} unexpected)")
+        raise CheckpointError(f"{where} does not fit the model: {which}")
+    for name, p in params.items():
+        p.copy_(_cut(layout, name, saved[name], p, where).to(p.dtype))
 
 
 # ------------------------------------------------------------------ reading
-def read_checkpoint(path: str, params: Any | None) -> dict[str, Any]:
+def read_checkpoint(path: str, cfg: Config | None) -> dict[str, Any]:
     """Load and check a checkpoint; any problem is a one-line CheckpointError.
-    `params` None: no config to check against (the caller takes the checkpoint's own)."""
+    `cfg` None: no config to check against (the caller takes the checkpoint's own)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} not found")
     if not os.path.isfile(path):
@@ -171,36 +202,39 @@ def read_checkpoint(path: str, params: Any | None) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is incomplete: no {', '.join(missing)}")
-    for key in MODEL_KEYS if params is not None else ():
-        saved, now = ckpt["config"].get(key), params.get(key)
+    for key in MODEL_KEYS if cfg is not None else ():
+        saved, now = ckpt["config"].get(key), getattr(cfg, key)
         if saved is not None and list(np.atleast_1d(saved)) != list(np.atleast_1d(now)):
             raise CheckpointError(f"{path} was saved with {key}={saved}, "
                                   f"the config has {key}={now}")
     return ckpt
 
 
-def _identity(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 class Checkpointer:
     """Saves and restores everything a run needs to continue exactly.
 
-    `to_full(name, local_tensor)` and `to_local(name, full_tensor)` convert between a
-    rank's shard and the serial tensor (identity without model parallelism); they may be
-    collective, so every rank calls `save` and `restore`; world rank 0 writes the file.
+    The layout converts between a rank's shards and the serial tensors (by parameter name);
+    that may be collective, so every rank calls `save` and `restore`; world rank 0 writes
+    the file.
     """
 
-    def __init__(self, exp_dir: str, params: Any, model: torch.nn.Module,
+    def __init__(self, exp_dir: str, cfg: Config, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                 to_full: Callable = _identity, to_local: Callable = _identity):
-        self.exp_dir, self.params = exp_dir, params
+                 layout: Layout):
+        self.exp_dir, self.cfg, self.layout = exp_dir, cfg, layout
         self.model, self.optimizer, self.scheduler, self.scaler = (model, optimizer,
                                                                    scheduler, scaler)
-        self.to_full, self.to_local = to_full, to_local
-        self.keep = int(params.get("checkpoint_keep", 3) or 3)
-        self.names = [n for n, _ in unwrap(model).named_parameters()]
+        self.keep = cfg.checkpoint_keep
+        self.params = dict(unwrap(model).named_parameters())
+        self.names = list(self.params)
         self.last_saved: str | None = None  # what a failure message points the user to
+
+    def to_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.layout.full_tensor(local, self.params[name])
+
+    def to_local(self, name: str, full: torch.Tensor, where: str = "checkpoint",
+                 what: str = "") -> torch.Tensor:
+        return _cut(self.layout, name, full, self.params[name], where, what)
 
     def start_at(self, iters: int) -> None:
         """Called once the run knows where it starts (0, or the resumed iteration): checkpoints
@@ -265,8 +299,8 @@ class Checkpointer:
             try:
                 save_atomic({
                     "format": FORMAT, "version": VERSION,
-                    "config": {k: self.params.get(k) for k in MODEL_KEYS},
-                    "params": self.params.to_dict(),
+                    "config": {k: getattr(self.cfg, k) for k in MODEL_KEYS},
+                    "params": self.cfg.model_dump(),
                     "model": model_sd, "optimizer": opt,
                     "scheduler": self.scheduler.state_dict(),
                     "scaler": self.scaler.state_dict(),
@@ -290,23 +324,8 @@ class Checkpointer:
     def restore(self, path: str) -> Progress:
         """Load `path` into the live objects (collective). Returns where the loop stood,
         with this rank's epoch loss sum."""
-        ckpt = read_checkpoint(path, self.params)
-        module = unwrap(self.model)
-        missing = [n for n in self.names if n not in ckpt["model"]]
-        if missing:
-            raise CheckpointError(f"{path} has no tensor for parameter {missing[0]} "
-                                  f"({len(missing)} missing)")
-        unexpected = [n for n in ckpt["model"] if n not in self.names]
-        if unexpected:
-            raise CheckpointError(f"{path} has tensor {unexpected[0]}, which this model does "
-                                  f"not have ({len(unexpected)} unexpected)")
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                local = _to_local(self.to_local, name, ckpt["model"][name], path)
-                if local.shape != p.shape:
-                    raise CheckpointError(f"{path}: {name} has shape {tuple(local.shape)}, "
-                                          f"the model expects {tuple(p.shape)}")
-                p.copy_(local)
+        ckpt = read_checkpoint(path, self.cfg)
+        load_model_weights(self.model, ckpt["model"], self.layout, path)
         load_optimizer_state(self.optimizer, ckpt["optimizer"], self.names, self.to_local,
                              path)
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -326,3 +345,15 @@ class Checkpointer:
                         epoch_step=int(ckpt["epoch_step"]),
                         loss_sum=loop["loss_sum"].to(self._device()),
                         step_count=int(loop["step_count"]))
+
+
+def load_weights(path: str, cfg: Config, model: torch.nn.Module, layout: Layout) -> int:
+    """Copy the model weights of checkpoint `path` into `model` (collective when the layout
+    shards parameters); returns the iteration the checkpoint was saved at. Any mismatch
+    (not a checkpoint, other model keys, missing or misshapen tensors) is a one-line
+    CheckpointError."""
+    ckpt = read_checkpoint(path, cfg)  # also checks the model keys against the config
+    load_model_weights(model, ckpt["model"], layout, f"init_from {path}")
+    log.info(f"Fine-tuning: weights from {path} (iteration {ckpt['iters']}); "
+             "starting at iteration 0 with a fresh optimizer and schedule")
+    return int(ckpt["iters"])

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 
-AXES = ("tp", "cp", "h", "w", "dp")
-DEFAULT_ORDER = "-".join(AXES)
+from utils.config_schema import AXES, DEFAULT_ORDER, parse_axes  # noqa: F401 - the order's grammar
 
 
 class RankGenerator:
@@ -79,12 +78,3 @@ class RankGenerator:
             if rank in ranks:
                 return ranks
         raise AssertionError("unreachable: groups partition the world")
-
-
-def parse_axes(name: str) -> list[str]:
-    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
-    axes = name.split("-")
-    unknown = [a for a in axes if a not in AXES]
-    if unknown or len(set(axes)) != len(axes):
-        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
-    return axes

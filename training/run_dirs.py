@@ -28,11 +28,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from utils.launch_env import slurm_restarts
-from utils.run.checkpoint_files import latest_checkpoint
+from distributed.launch_env import slurm_restarts
+from training.checkpoint_files import latest_checkpoint
 
 # Config-key flags that say how long a run is or how it is kept, not what it trains.
-NOT_IN_LABEL = frozenset({"run_num", "num_iters", "checkpoint_interval", "checkpoint_keep"})
+NOT_IN_LABEL = frozenset({"run_num", "num_iters", "checkpoint_interval", "checkpoint_keep",
+                          "resume", "requeue"})
 MAX_LABEL = 96  # a longer label is cut and ends in a hash of the whole (names stay unique)
 _NAME = re.compile(r"^(?P<base>\d+|job\d+(?:\.\d+)?)(?:-(?P<label>.+))?$")
 

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from utils import comm
+from distributed import comm
+from training.preemption import StopSignal, requeue_slurm_job
+from utils.config_schema import Config
 from utils.errors import EXIT_PREEMPTED, DataError, DivergedError
-from utils.run.preemption import StopSignal, requeue_slurm_job
 
 if TYPE_CHECKING:
+    from training.checkpoint import Checkpointer
     from utils.data.checks import BatchScan
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,10 @@ class RunGuard:
     behind a NaN/inf loss; the guard keeps (epoch, batch) of the steps since its last check
     (one on CPU, up to NonFiniteLoss.GPU_CHECK_EVERY on a GPU) to tell it which batch."""
 
-    def __init__(self, params: Any, device: torch.device, ckpt: Any, stop: StopSignal,
+    def __init__(self, cfg: Config, device: torch.device, ckpt: Checkpointer, stop: StopSignal,
                  scan: BatchScan | None = None):
-        self.params, self.device, self.ckpt, self.stop = params, device, ckpt, stop
-        self.interval = int(params.checkpoint_interval or 0)
+        self.cfg, self.device, self.ckpt, self.stop = cfg, device, ckpt, stop
+        self.interval = cfg.checkpoint_interval
         self.nonfinite = NonFiniteLoss(device)
         self.scan = scan
         self.batches: dict[int, tuple[int, int]] = {}  # iteration -> (epoch, batch in it)
@@ -104,14 +106,14 @@ class RunGuard:
         # got SIGUSR1/SIGTERM.
         stopping = self.stop.should_stop(self.device, iters)
         save = stopping or (self.interval > 0 and iters % self.interval == 0
-                            and iters < self.params.num_iters)  # the end saves anyway
+                            and iters < self.cfg.num_iters)  # the end saves anyway
         if save or self.nonfinite.due(iters):
             self.check_finite()  # never save after a NaN/inf loss
         if save:
             self.ckpt.save(progress)
         if stopping:
             log.info(f"Signal {self.stop.received} received: stopped at iteration {iters}")
-            if self.params.requeue and comm.get_world_rank() == 0:
+            if self.cfg.requeue and comm.get_world_rank() == 0:
                 requeue_slurm_job()
             sys.exit(EXIT_PREEMPTED)
 

@@ -15,7 +15,7 @@ unprotected. A run has two phases:
             which the thread reads whatever the main thread is doing.
   training  (`end_startup()`, called when the run's StopSignal is made): the handler only
             records the signal; the run guard saves a checkpoint at the next step and exits 3
-            (utils/run/preemption.py).
+            (training/preemption.py).
 """
 
 from __future__ import annotations

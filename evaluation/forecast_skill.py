@@ -8,7 +8,7 @@ baselines every weather model is measured against.
 Scores are accumulated as sums over initial conditions (`forecast_sums`), so that
 data-parallel ranks can add their sums with one all-reduce before `skill_from_sums` divides:
     RMSE(lead, channel) = std_c * sqrt(mean over ICs of the weighted mean squared error)
-    ACC(lead, channel)  = mean over ICs of the weighted anomaly correlation (utils.metrics)
+    ACC(lead, channel)  = mean over ICs of the weighted anomaly correlation (evaluation/scores.py)
 Fields are normalised; multiplying by the channel's global std gives physical units.
 Climatology's anomaly is zero everywhere, so its ACC is 0 by definition (not 0/0).
 A forecast counts as useful while its ACC stays >= 0.6.
@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.evaluation import latitude_weights, weighted_acc_channels
+from evaluation.scores import weighted_acc_channels, weighted_mse_channels
+from utils.tile import Tile
 
 FORECASTS = ("model", "persistence", "climatology")
 USEFUL_ACC = 0.6
@@ -41,18 +42,14 @@ def channel_units(name: str) -> str:
     return next((unit for prefix, unit in _UNITS if name.startswith(prefix)), "")
 
 
-def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(..., C, H, W) -> (..., C): latitude-weighted mean squared error (fp32)."""
-    w = latitude_weights(pred.shape[-2], pred.device)
-    return torch.mean(w * (pred.float() - target.float()) ** 2, dim=(-1, -2))
-
-
-def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor,
-                  climatology: torch.Tensor) -> torch.Tensor:
+def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor, climatology: torch.Tensor,
+                  tile: Tile | None = None) -> torch.Tensor:
     """Sums over a batch of initial conditions, to be added up over batches and ranks.
 
     forecast, truth: (B, L+1, C, H, W) normalised fields at leads 0..L (forecast[:, 0] is
-    the initial state); climatology: (1, C, H, W) normalised.
+    the initial state); climatology: (1, C, H, W) normalised. With a `tile` (spatial
+    parallelism) the fields and the climatology are this rank's tile of the grid, and the
+    sums are those of the whole grid (collectives over "h-w").
     Returns float64 (3, 2, L+1, C): [model, persistence, climatology] x [sum of weighted
     MSE, sum of ACC].
     """
@@ -63,10 +60,11 @@ def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor,
     sums = torch.zeros(len(FORECASTS), 2, L1, truth.shape[2], dtype=torch.float64,
                        device=truth.device)
     for i, pred in enumerate(candidates):
-        sums[i, 0] = weighted_mse_channels(pred, truth).double().sum(0)
+        sums[i, 0] = weighted_mse_channels(pred, truth, tile).double().sum(0)
         if FORECASTS[i] != "climatology":  # zero anomaly: ACC is 0 by definition
             acc = weighted_acc_channels(pred.reshape(B * L1, *pred.shape[2:]),
-                                        truth.reshape(B * L1, *truth.shape[2:]), climatology)
+                                        truth.reshape(B * L1, *truth.shape[2:]), climatology,
+                                        tile)
             sums[i, 1] = acc.view(B, L1, -1).double().sum(0)
     return sums
 

@@ -8,7 +8,7 @@
 
 Both raise LaunchError (one line; `run_main` prints `error: ...` and exits 2). Everything
 they read can be injected (version string, environment, device count), so they are tested
-without a GPU. From a shell, `python -m utils.startup_checks` runs them in the current
+without a GPU. From a shell, `python -m distributed.startup_checks` runs them in the current
 environment (e.g. inside a job step) and prints what it found.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from utils.errors import LaunchError
 
 # Why this minimum:
-#   - init_process_group(device_id=...) (utils/comm.py) is not in older releases;
+#   - init_process_group(device_id=...) (distributed/comm.py) is not in older releases;
 #   - with device_id, PyTorch 2.7.0 turns on NCCL's non-blocking mode, which hangs at random
 #     with NCCL 2.26 (pytorch/pytorch#153960); 2.7.1 turns that default off again;
 #   - torch.amp.GradScaler(device), CPU fused Adam and torch.is_autocast_enabled(device) need

@@ -44,8 +44,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from distributed.launch_env import LaunchEnv
 from utils.errors import LaunchError
-from utils.launch_env import LaunchEnv
 
 RESOLVE_TIMEOUT_SEC = 10.0  # an answer takes milliseconds; a dead DNS server, 5 s per try
 CONNECT_TIMEOUT_SEC = 60.0  # default DIST_CONNECT_TIMEOUT_SEC: ranks start this far apart

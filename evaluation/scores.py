@@ -17,20 +17,14 @@ from typing import Any
 
 import torch
 
-from utils import comm
-from utils.data.loader import load_stats, load_stds
+from distributed import comm
+from distributed.layout import Layout
+from networks.loss import l2_loss
+from utils.config_schema import Config
+from utils.data.dataset import load_stats, load_stds
 from utils.errors import DataError
-from utils.precision import autocast
+from utils.precision import Precision
 from utils.tile import Tile
-
-
-def l2_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The tutorial's training loss: mean_b ||pred_b - target_b||_2 / ||target_b||_2 over
-    all channels and pixels. Computed in fp32 even under autocast: the norms sum ~10^5
-    squares."""
-    b = pred.shape[0]
-    diff = (pred.float() - target.float()).reshape(b, -1)
-    return (diff.norm(dim=1) / target.float().reshape(b, -1).norm(dim=1)).mean()
 
 
 def latitudes(num_lat: int) -> torch.Tensor:
@@ -59,14 +53,20 @@ def _tile_weights(tile: Tile, device: torch.device) -> torch.Tensor:
     return latitude_weights(tile.grid[0], device)[tile.rows]
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor,
-                           tile: Tile | None = None) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C): sqrt of the latitude-weighted mean squared error (of the
-    whole grid, also when the fields are a `tile` of it)."""
+def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor,
+                          tile: Tile | None = None) -> torch.Tensor:
+    """(..., C, H, W) -> (..., C): the latitude-weighted mean squared error (of the whole
+    grid, also when the fields are a `tile` of it)."""
     tile = _tile_of(pred, tile)
     w = _tile_weights(tile, pred.device)
     sq = torch.sum(w * (pred.float() - target.float()) ** 2, dim=(-1, -2))
-    return torch.sqrt(_over_grid(sq, tile) / (tile.grid[0] * tile.grid[1]))
+    return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
+
+
+def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor,
+                           tile: Tile | None = None) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C): sqrt of `weighted_mse_channels`."""
+    return torch.sqrt(weighted_mse_channels(pred, target, tile))
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
@@ -87,13 +87,10 @@ def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
 @torch.no_grad()
 def relative_l2(pred: torch.Tensor, target: torch.Tensor, tile: Tile | None = None
                 ) -> torch.Tensor:
-    """`l2_loss` as a score (no gradient), also of fields split into tiles. Training on
-    tiles uses the differentiable `distributed.spatial_metrics.l2_loss`."""
-    tile, b = _tile_of(pred, tile), pred.shape[0]
-    diff = (pred.float() - target.float()).reshape(b, -1)
-    sums = torch.stack([diff.square().sum(1), target.float().reshape(b, -1).square().sum(1)])
-    sums = _over_grid(sums, tile)
-    return (sums[0].sqrt() / sums[1].sqrt()).mean()
+    """The training loss (networks.loss.l2_loss) as a score, also of fields split into
+    tiles."""
+    tile = _tile_of(pred, tile)
+    return l2_loss(pred, target, None if tile.is_whole else lambda s: _over_grid(s, tile))
 
 
 @torch.no_grad()
@@ -112,16 +109,16 @@ class Normaliser:
     """Per-channel global statistics, to report errors in physical units, and the
     normalised climatology that ACC measures anomalies against."""
 
-    def __init__(self, params: Any, device: torch.device):
-        C = int(params.n_out_channels)
-        H, W = params.img_size
+    def __init__(self, cfg: Config, device: torch.device):
+        C = cfg.n_out_channels
+        H, W = cfg.img_size
         # load_stats: a missing file or a wrong shape is a one-line DataError.
         self.means = torch.from_numpy(
-            load_stats(params.global_means_path, C, "global means")).to(device)
-        self.stds = torch.from_numpy(load_stds(params.global_stds_path, C)).to(device)
-        clim = load_stats(params.time_means_path, C, "time means")
+            load_stats(cfg.global_means_path, C, "global means")).to(device)
+        self.stds = torch.from_numpy(load_stds(cfg.global_stds_path, C)).to(device)
+        clim = load_stats(cfg.time_means_path, C, "time means")
         if clim.shape[2] < H or clim.shape[3] < W:
-            raise DataError(f"time means {params.time_means_path} are {clim.shape[2]}x"
+            raise DataError(f"time means {cfg.time_means_path} are {clim.shape[2]}x"
                             f"{clim.shape[3]}, smaller than img_size {H}x{W}")
         clim = torch.from_numpy(clim[:, :, :H, :W]).to(device)
         self.climatology = (clim - self.means) / self.stds  # normalised, for ACC
@@ -132,15 +129,15 @@ class Normaliser:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: Any,
-             norm: Normaliser, max_batches: int | None = None,
-             tile: Tile | None = None) -> dict[str, Any]:
+def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Precision,
+             norm: Normaliser, max_batches: int | None = None) -> dict[str, Any]:
     """Loss, latitude-weighted RMSE(u10m) in m/s, persistence RMSE and ACC over the
-    validation set, summed over the data-parallel ranks and averaged. With a `tile`, the
-    loader and the model hold this rank's tile of every field, and the scores are those of
-    the whole grid (collectives over "h-w": every rank of the mesh calls this)."""
+    validation set, summed over the data-parallel ranks and averaged. On a spatial mesh the
+    loader and the model hold this rank's tile of every field (the layout's), and the
+    scores are those of the whole grid (collectives over "h-w": every rank of the mesh
+    calls this)."""
     model.eval()
-    tile = tile or Tile.whole(params.img_size)
+    tile, device = layout.tile, layout.device
     climatology = norm.climatology[..., tile.rows, tile.cols]
     # [loss x samples, rmse_u10, persistence_u10, acc_u10, acc_t2m], summed over samples
     sums = torch.zeros(5, dtype=torch.float64, device=device)
@@ -150,7 +147,7 @@ def validate(model: torch.nn.Module, loader: Any, device: torch.device, params: 
         if max_batches is not None and i >= max_batches:
             break
         inp, tar = inp.to(device, non_blocking=True), tar.to(device, non_blocking=True)
-        with autocast(params, device):
+        with precision.autocast():
             gen = model(inp)
         gen = gen.float()
         rmse = weighted_rmse_channels(gen, tar, tile) * std

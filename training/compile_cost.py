@@ -1,13 +1,6 @@
 """What torch.compile costs a run, shown, and paid once per config rather than once per job.
 
-- `use_compile_cache(expdir)`: Inductor's on-disk caches (the FX graph cache of compiled
-  kernels and the AOTAutograd cache of forward/backward graphs; on a GPU the Triton kernels
-  are bundled into the former) live in `TORCHINDUCTOR_CACHE_DIR`. PyTorch's default is a
-  directory under /tmp, which a cluster node wipes or never shares, so every job compiled
-  from scratch. Unless the user or the site preset already chose a directory, the run uses
-  `<log root>/torch_compile_cache`: on the shared file system, the same for every rank and
-  every later job. Dynamo's Python-bytecode tracing is not cached; that part is paid by
-  every job (seconds for this model).
+- the compile cache (utils/compile_cache.py): paid once per config, not once per job.
 - `StartupReport`: after the first training step of a process, one log line (rank 0) with
   the time since the process started and how much of it was compiling, and the cache
   hits; at the end of the run, the compile total, which shows any compile after step 1.
@@ -22,21 +15,10 @@ from typing import Any
 
 import psutil
 
+from utils.compile_cache import CACHE_ENV
+from utils.config_schema import Config
+
 log = logging.getLogger("train")
-
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-CACHE_SUBDIR = "torch_compile_cache"
-
-
-def use_compile_cache(expdir: str) -> str:
-    """Point Inductor's caches at `<expdir>/torch_compile_cache` unless TORCHINDUCTOR_CACHE_DIR
-    is set; returns the directory in use. Must run before anything asks Inductor for its
-    cache directory: the first compiled call, and (PyTorch 2.13) constructing DDP. Inductor
-    then sets the variable to its /tmp default, and every later caller keeps that."""
-    if not os.environ.get(CACHE_ENV):
-        os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR))
-    return os.environ[CACHE_ENV]
-
 
 def process_age() -> float:
     """Seconds since this process started (its start time as the OS recorded it, so the
@@ -72,8 +54,8 @@ class StartupReport:
     """Logs the cost of getting to the first step once, after the first step this process
     takes (a resumed run's first step too), and the compile total at the end."""
 
-    def __init__(self, params: Any):
-        self.compiled = bool(params.enable_jit)
+    def __init__(self, cfg: Config):
+        self.compiled = cfg.enable_jit
         self.done = False
 
     def after_step(self, run_log: Any, step: int) -> None:

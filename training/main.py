@@ -1,4 +1,7 @@
-"""One `error:` line per job, not one per rank.
+"""How a train script ends: user errors (bad config, data, flags) with one line, not a
+traceback, once per job, and every ending with torch.distributed shut down cleanly.
+
+One `error:` line per job, not one per rank.
 
 A job of N processes that fails on a user error should say so once, from the rank that
 failed first, and not N times with the lines running into each other. The ranks agree
@@ -14,28 +17,76 @@ mismatched collectives would hang or mix up their data.
     `error: rank k: ...`; the others stay silent.
   - A rank that then fails because its peer has gone (a collective on a closed connection)
     sees that a peer has reported and exits quietly instead of printing a traceback.
-  - An error with a `defer` (a failed rendezvous, utils/rendezvous.py) is printed by a rank
+  - An error with a `defer` (a failed rendezvous, distributed/rendezvous.py) is printed by a rank
     other than 0 only if that rank is still running `defer` seconds later: rank 0 reports
     the same failure, and the launcher then ends the other ranks.
   - No store (before the process group exists, or its host has exited): the rank prints.
     Before the process group exists the ranks have read the same config and flags, so an
     `every_rank` error is left to rank 0.
   - The silent ranks leave `LINGER` seconds after the one that printed: launchers report the
-    first process to exit as the root cause.
-"""
+    first process to exit as the root cause."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from utils import comm
-from utils.errors import UserError, message_of
-from utils.launch_env import resolve_launch_env
-from utils.run import signals
+from distributed import comm
+from distributed.launch_env import resolve_launch_env
+from training import signals
+from utils.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError, from_worker, message_of
+
+
+def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoReturn:
+    """Run a script's `main(argv)` and exit: 0 when it returns, its own code when it calls
+    sys.exit (e.g. preempted), 2 with one `error:` line for a user error (`UserError`).
+
+    In a job of several ranks one rank prints the line (training/py). A rank
+    that fails only because another rank reported a user error and left (its collectives
+    find the connection closed) exits 2 too, quietly. The quiet ranks leave a moment after
+    the one that printed, so that torchrun's summary names that one as the root cause.
+
+    Every such ending first shuts torch.distributed down (`comm.shutdown`). That happens
+    after the `try`, where the exception and the frames its traceback held (the model, and
+    the group DDP keeps) are already gone. A finished or preempted run ends on every rank
+    at once, so the ranks meet at a barrier first (an error every rank raises has passed
+    one already). Other exceptions are bugs: they propagate with their traceback.
+    """
+    code: Any = 0
+    printed = True
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code
+    except Exception as e:
+        signals.end_startup()  # ending anyway: a stop signal now must not add a line
+        printed = _report(e)
+        code = EXIT_USER_ERROR
+    if code in (0, None, EXIT_PREEMPTED):
+        comm.settle()
+    comm.shutdown()
+    if not printed:  # only ever in a job of several ranks
+        linger()
+    sys.exit(code)
+
+
+def _report(error: Exception) -> bool:
+    """Report a user error (whether this rank printed it); re-raise anything else, unless
+    it only follows from another rank's user error."""
+    if isinstance(error, UserError):
+        return report(error)
+    user_error = from_worker(error)  # a DALI worker's UserError, as a traceback in text
+    if user_error is not None:
+        return report(user_error)
+    if comm.is_distributed() and reported_by_another_rank():
+        return False  # that rank's line says what went wrong
+    raise error
+
 
 KEY = "user_error_reported_by_rank"
 STORE_TIMEOUT = timedelta(seconds=10)
@@ -131,7 +182,9 @@ def report(error: UserError) -> bool:
     """Print `error`'s one line on stderr if this rank is the one to print it (True)."""
     if not should_print(error) or _outwaited(error):
         return False
-    print(error_line(error), file=sys.stderr, flush=True)
+    # A flag argparse cannot parse (utils/config.py): its usage line and name first.
+    usage, prefix = getattr(error, "usage", ""), getattr(error, "prefix", "")
+    print(f"{usage}{prefix}{error_line(error)}", file=sys.stderr, flush=True)
     return True
 
 

@@ -1,0 +1,137 @@
+"""The parallel layout of a job, decided once: every script asks it, none decides again.
+
+World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
+
+  - the process groups (tp, cp, h, w, dp, and their unions; distributed/comm.py) and this
+    process's device;
+  - the model's layers: serial; `DistributedLayers` (ViT, tp x cp > 1), whose layers hold
+    only this rank's shard of each weight; or `SpatialLayers` (AFNO, h x w > 1), whose
+    layers work on this rank's tile of the grid. Both initialise to the serial numbers;
+  - the `tile` of the grid this rank reads, trains on and scores (the whole grid unless the
+    AFNO's grid is split over h x w);
+  - the loss: networks.loss.l2_loss, on a mesh with its sums completed over the tiles;
+  - what runs after backward: parameters replicated across model-parallel ranks (norms,
+    biases, embeddings) get their partial gradients summed over those ranks
+    (`sync_shared_gradients`; DDP then averages over dp);
+  - how a checkpoint's full (serial) tensors map to this rank's shards and back, by
+    parameter name, so any layout resumes, fine-tunes or evaluates any checkpoint.
+
+    layout = Layout.data_parallel(cfg)    # train.py: one device or DDP
+    layout = Layout.model_parallel(cfg)   # train_mp.py, inference.py, benchmarks
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from distributed import comm
+from distributed.helpers import gather_tensor, shard_tensor, sync_shared_gradients
+from distributed.launch_env import LaunchEnv
+from distributed.layers import DistributedLayers
+from distributed.mappings import reduce_from_parallel_region
+from distributed.spatial import SpatialLayers, field_tile
+from networks.loss import l2_loss
+from utils.compile_cache import use_compile_cache
+from utils.config_schema import Config
+from utils.errors import ConfigError
+from utils.tile import Tile
+
+log = logging.getLogger("layout")
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MODEL_PARALLEL_KEYS = ("tp", "cp", "h_parallel_size", "w_parallel_size")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This process's place in the job and what it means for the model (module docstring).
+
+    `kind`: 'serial' (one device or DDP: every rank holds the whole model), 'tensor' (the
+    ViT split over tp x cp) or 'spatial' (the AFNO's grid split over h x w)."""
+
+    kind: str
+    order: str  # the rank layout's axes, fastest-varying first (parallel_order)
+    env: LaunchEnv
+    device: torch.device
+    layers: Any  # the networks' layer factory; None: their serial layers
+    tile: Tile
+    loss: Loss
+
+    # ------------------------------------------------------------------ building one
+    @classmethod
+    def data_parallel(cls, cfg: Config) -> Layout:
+        """train.py's layout: data parallelism only (every rank holds the whole model)."""
+        split = {k: getattr(cfg, k) for k in MODEL_PARALLEL_KEYS if getattr(cfg, k) > 1}
+        if split:
+            sizes = ", ".join(f"{k} {v}" for k, v in split.items())
+            raise ConfigError(f"config '{cfg.config}' sets {sizes}: train.py trains "
+                              "data-parallel only; run train_mp.py for model parallelism")
+        return cls.model_parallel(cfg)
+
+    @classmethod
+    def model_parallel(cls, cfg: Config) -> Layout:
+        """Join the job and build the tp x cp x h x w x dp process groups of `cfg` (every
+        process of the job calls this with the same config), then decide the rest."""
+        env, device = comm.init_process(cfg.tp, cfg.cp, cfg.parallel_order,
+                                        h=cfg.h_parallel_size, w=cfg.w_parallel_size)
+        return cls.of_groups(cfg, env, device)
+
+    @classmethod
+    def of_groups(cls, cfg: Config, env: LaunchEnv, device: torch.device) -> Layout:
+        """The layout of process groups that exist already (comm.init ran)."""
+        if cfg.enable_jit:  # before anything compiles: kernels cached under the log root
+            use_compile_cache(cfg.expdir)
+        if comm.get_size("h-w") > 1:  # the schema allows a mesh only for the AFNO
+            # A mesh's loss holds a collective (the sums over the tiles): it stays eager.
+            sum_over_mesh = functools.partial(reduce_from_parallel_region, group_name="h-w")
+            return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),
+                       field_tile(cfg.img_size, cfg.patch_size),
+                       functools.partial(l2_loss, sum_over_grid=sum_over_mesh))
+        # The loss of a whole grid is compiled like the model: one pass over the output.
+        loss = torch.compile(l2_loss) if cfg.enable_jit else l2_loss
+        whole = Tile.whole(cfg.img_size)
+        if comm.get_size("tp-cp") > 1:  # ... only for the ViT
+            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole,
+                       loss)
+        return cls("serial", cfg.parallel_order, env, device, None, whole, loss)
+
+    # ------------------------------------------------------------------ training
+    @property
+    def is_model_parallel(self) -> bool:
+        """Whether the model is split over several ranks (tensor or spatial)."""
+        return self.kind != "serial"
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Between backward and the optimizer step: complete the gradients of parameters
+        replicated across model-parallel ranks (a no-op in the serial layout)."""
+        if self.is_model_parallel:
+            sync_shared_gradients(model)
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_tensor(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The serial-layout tensor of `param` (itself, its gradient or an optimizer state
+        of its shape) from every rank's part: collective over the groups that shard it."""
+        return gather_tensor(local, param) if self.is_model_parallel else local
+
+    def local_tensor(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the serial-layout tensor `full`, laid out like `param`."""
+        local = shard_tensor(full, param) if self.is_model_parallel else full
+        return local.to(param.device)
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> str:
+        mesh = (f", H = {comm.get_size('h')}, W = {comm.get_size('w')}"
+                if self.kind == "spatial" else "")
+        return (f"Layout: DP = {comm.get_size('dp')}, TP = {comm.get_size('tp')}, "
+                f"CP = {comm.get_size('cp')}{mesh} (order {self.order})")
+
+    def sizes(self) -> dict[str, int]:
+        """Every group's size, for logs and result files."""
+        return {g: comm.get_size(g) for g in ("tp", "cp", "h", "w", "dp")}

@@ -1,1 +1,0 @@
-"""Running a job: checkpoints, preemption, the run guard, logs, profiling and the exit."""
