@@ -2,7 +2,8 @@
 a 40 GB A100: the `mp` model (embed 1024) with tp 4 and 16 samples of 4050 tokens per GPU
 (NERSC's tutorial measured ~33 GB for it; tests/gpu/test_gpu_memory.py measures ours on a GPU
 node). One GPU holds local batch x tokens per cp rank / tp of the activations; every
-`submit_pm_mp.sh` command in README.md and site/README.md must stay at or below that reference.
+`submit_pm_mp.sh` command in README.md, site/README.md and docs/*.md must stay at or below that
+reference.
 `mp` on one node (dp 1: all 64 samples on every GPU) is four times over it.
 """
 
@@ -22,7 +23,9 @@ REFERENCE_LOAD = 16 * 4050 / 4  # samples x tokens / tp of the layout that fits 
 
 def mp_commands() -> list[tuple[str, str]]:
     found = []
-    for doc in ("README.md", "site/README.md"):
+    docs = ["README.md", "site/README.md",
+            *(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")))]
+    for doc in docs:
         for line in (REPO / doc).read_text().splitlines():
             if "sbatch" in line and "submit_pm_mp.sh" in line and "--config=" in line:
                 found.append((doc, line.split("#", 1)[0].strip()))

@@ -1,5 +1,6 @@
-"""Claims of the README that follow from the configs and the data generator, checked
-against them: the steps in a `cpu_short` epoch, and how to call the venv's Python."""
+"""Claims of the README and of the pages in docs/ that follow from the configs and the data
+generator, checked against them: the steps in a profiled `cpu_short` epoch, the epochs of
+the measured long runs, and how to call the venv's Python."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from utils.config import read_config
 from utils.data.synthetic import generate
 
 README = (REPO / "README.md").read_text()
+# The README is the map (each step with one measured number); the measurements are in docs/.
+DOCS = {"README.md": README} | {f"docs/{p.name}": p.read_text()
+                                for p in sorted((REPO / "docs").glob("*.md"))}
 
 
 def steps_per_epoch(config: str) -> int:
@@ -28,18 +32,28 @@ def steps_per_epoch(config: str) -> int:
     return pairs // int(params.global_batch_size)
 
 
-def test_the_profiled_cpu_short_epoch_has_the_steps_the_readme_says():
-    claimed = re.search(r"`cpu_short`,\s+profiled epoch 4 = (\d+) steps", README)
-    assert claimed, "the profiling section no longer states the steps of its epoch"
-    assert int(claimed.group(1)) == steps_per_epoch("cpu_short") == 15
+def claims(pattern: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(page, groups) of every match of `pattern` in the README and docs/ (a claim may be
+    wrapped over two lines)."""
+    return [(page, m.groups()) for page, text in DOCS.items()
+            for m in re.finditer(pattern, text)]
 
 
-def test_cpu_base_epochs_in_the_readme_follow_from_the_steps_per_epoch():
-    claimed = re.search(r"`cpu_base`, (\d+) iterations = (\d+) epochs", README)
-    assert claimed
-    iters, epochs = (int(g) for g in claimed.groups())
-    assert iters == read_config(CONFIG_FILE, "cpu_base", environ={}).num_iters
-    assert iters / steps_per_epoch("cpu_base") == epochs
+def test_the_profiled_cpu_short_epoch_has_the_steps_the_docs_say():
+    found = claims(r"`cpu_short`,\s+profiled\s+epoch\s+4\s+=\s+(\d+)\s+steps")
+    assert "README.md" in {page for page, _ in found}, \
+        "the README's profiling step no longer states the steps of its epoch"
+    for page, (steps,) in found:
+        assert int(steps) == steps_per_epoch("cpu_short") == 15, page
+
+
+def test_the_epochs_of_the_long_runs_follow_from_the_steps_per_epoch():
+    found = claims(r"`(cpu_\w+)`,\s+(\d+)\s+iterations\s+=\s+(\d+)\s+epochs")
+    assert "README.md" in {page for page, _ in found}
+    assert {config for _, (config, *_) in found} >= {"cpu_base", "cpu_afno"}
+    for page, (config, iters, epochs) in found:
+        assert int(iters) == read_config(CONFIG_FILE, config, environ={}).num_iters, page
+        assert int(iters) / steps_per_epoch(config) == int(epochs), page
 
 
 def test_the_quickstart_says_how_to_use_the_venv():
