@@ -7,7 +7,7 @@
 `run_train` returns a `helpers.TrainRun`; it unpacks to (returncode, stdout + stderr) and
 also keeps `stdout`, `stderr`, `log_dir` and `data_dir` for tests that need them.
 
-Tiers (README, "Tests"): unit tests are unmarked and run in this process; `distributed`
+Tiers (tests/README.md): unit tests are unmarked and run in this process; `distributed`
 tests start ranks (helpers.run_distributed), `e2e` tests start Python programs or launchers,
 `slurm` tests a SLURM cluster, `gpu` tests need CUDA. helpers' process starters fail a test
 that lacks its tier's marker; a test asking for a fixture below that runs scripts fails at

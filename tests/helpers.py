@@ -80,7 +80,7 @@ def require_marker(what: str, *markers: str) -> None:
     nodeid, have = running_test
     if not have & set(markers):
         wanted = " or ".join(f"@pytest.mark.{m}" for m in markers)
-        pytest.fail(f"{nodeid} {what}: mark it {wanted} (README: Tests)", pytrace=False)
+        pytest.fail(f"{nodeid} {what}: mark it {wanted} (tests/README.md: Tiers)", pytrace=False)
 
 
 # ----------------------------------------------------------------- subprocesses

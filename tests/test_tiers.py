@@ -1,4 +1,4 @@
-"""The test suite's own rules (README, "Tests"): a test that starts processes carries its
+"""The test suite's own rules (tests/README.md): a test that starts processes carries its
 tier's marker, `make test-fast` leaves out every marked tier, and test modules share code
 through helpers.py only (never by importing conftest.py or one another)."""
 
