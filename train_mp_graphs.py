@@ -17,7 +17,9 @@ adds on top of train_mp.py:
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
   - fp16: GradScaler.step checks for inf/NaN on the host, so with loss scaling the optimizer
-    step runs eagerly after the replay; bf16/fp32 capture the optimizer step too.
+    step runs eagerly after the replay, and with it the model-parallel ranks' agreement on
+    whether the step overflowed (an all-reduce, outside the graph; `Layout.grad_scaler`);
+    bf16/fp32 capture the optimizer step too.
 Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 

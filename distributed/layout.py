@@ -13,6 +13,8 @@ World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
   - what runs after backward: parameters replicated across model-parallel ranks (norms,
     biases, embeddings) get their partial gradients summed over those ranks
     (`sync_shared_gradients`; DDP then averages over dp);
+  - fp16 loss scaling: the ranks of a model replica agree whether a step overflowed
+    (`grad_scaler`);
   - how a checkpoint's full (serial) tensors map to this rank's shards and back, by
     parameter name, so any layout resumes, fine-tunes or evaluates any checkpoint.
 
@@ -35,12 +37,14 @@ from distributed import comm
 from distributed.helpers import gather_tensor, shard_tensor, sync_shared_gradients
 from distributed.launch_env import LaunchEnv
 from distributed.layers import DistributedLayers
+from distributed.loss_scaling import AgreedGradScaler
 from distributed.mappings import reduce_from_parallel_region
 from distributed.spatial import SpatialLayers, field_tile
 from networks.loss import l2_loss
 from utils.compile_cache import use_compile_cache
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.precision import Precision
 from utils.tile import Tile
 
 log = logging.getLogger("layout")
@@ -113,6 +117,15 @@ class Layout:
         replicated across model-parallel ranks (a no-op in the serial layout)."""
         if self.is_model_parallel:
             sync_shared_gradients(model)
+
+    def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
+        """The run's loss scaler (enabled for fp16 only; `training.run.build_training`).
+        On a model-parallel layout the ranks of "mp" (tp x cp x h x w) hold different
+        shards of the gradients: their overflow verdict is agreed (MAX over "mp",
+        distributed/loss_scaling.py), so they all skip a step if one shard overflowed."""
+        if precision.mode != "fp16" or self.kind == "serial":
+            return precision.grad_scaler()
+        return AgreedGradScaler(self.device.type, comm.get_group("mp"))
 
     # ------------------------------------------------------------------ checkpoints
     def full_tensor(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,7 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
     val_loader, _, _ = get_loader(cfg, cfg.valid_data_path, train=False, **shard)
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)
-    scaler = ctx.precision.grad_scaler()
+    scaler = layout.grad_scaler(ctx.precision)  # fp16: one overflow verdict per model replica
     ckpt = Checkpointer(ctx.run_dir, cfg, model, optimizer, scheduler, scaler, layout)
     ckpt.check_room()  # a disk too full for the checkpoints stops the run now
     progress = Progress(loss_sum=torch.zeros((), device=layout.device))

@@ -2,7 +2,8 @@
 runs it, and train_mp_graphs.py captures the very same body in a CUDA graph.
 
     forward (autocast)  ->  loss (the layout's)  ->  scaled backward  ->  the layout's
-    after-backward (model-parallel gradient sums)  ->  optimizer step (loss scaling's)
+    after-backward (model-parallel gradient sums)  ->  optimizer step (the layout's loss
+    scaler: skipped by every rank of the model replica if any of them overflowed)
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def forward_backward(run: Training, inp: torch.Tensor, tar: torch.Tensor) -> tor
 
 def optimizer_step(run: Training, zero_grad: bool = True) -> None:
     """The update: with fp16 loss scaling, unscale and skip a step whose gradients
-    overflowed. `zero_grad` False leaves the gradients where a CUDA graph writes them."""
+    overflowed on any rank of the model replica (the layout's scaler makes the ranks agree:
+    `Layout.grad_scaler`). `zero_grad` False leaves the gradients where a CUDA graph writes
+    them."""
     with run.prof.range("optimizer"):
         run.scaler.step(run.optimizer)
         run.scaler.update()
