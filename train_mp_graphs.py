@@ -12,7 +12,8 @@ adds on top of train_mp.py:
     then puts the model, optimizer and loss scale back as they were (so the run trains
     exactly as train_mp.py would);
   - a warm-up of `--graph_warmup` eager steps on a side stream created on this rank's
-    device (DDP needs >= 11 before capture; train_mp.py builds DDP on a side stream too);
+    device (with DDP, dp > 1, at least 11: PyTorch's CUDA-graph notes ask for that many
+    before capturing a DDP backward; train_mp.py builds DDP on a side stream too);
   - static input/target buffers: each step copies the batch into them, then replays;
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
@@ -20,6 +21,9 @@ adds on top of train_mp.py:
     step runs eagerly after the replay, and with it the model-parallel ranks' agreement on
     whether the step overflowed (an all-reduce, outside the graph; `Layout.grad_scaler`);
     bf16/fp32 capture the optimizer step too.
+  - the graph released (`GraphedStep.release`) however the run ends, before the process
+    groups are: NCCL (>= 2.26) destroys a communicator only once every CUDA graph that uses
+    it is gone, so a graph left to the interpreter's exit could hang a failed job.
 Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
@@ -34,13 +38,27 @@ import logging
 import sys
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 import train_mp
 from training.main import run_main
 from training.run import Training
 from training.step import Step, forward_backward, optimizer_step
+from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train_mp_graphs")
+
+DDP_WARMUP = 11  # eager DDP iterations before capturing its backward (PyTorch CUDA notes)
+
+
+def warmup_steps(requested: int, ddp: bool) -> int:
+    """The eager warm-up steps before capture: `requested`, raised to DDP_WARMUP (and said
+    in the log) for a model wrapped in DDP, whose backward needs that many before capture."""
+    if ddp and requested < DDP_WARMUP:
+        log.warning(f"--graph_warmup {requested} raised to {DDP_WARMUP}: a DDP backward "
+                    f"needs >= {DDP_WARMUP} eager iterations before CUDA-graph capture")
+        return DDP_WARMUP
+    return requested
 
 
 class GraphedStep(Step):
@@ -50,6 +68,7 @@ class GraphedStep(Step):
 
     def __init__(self, warmup_iters: int = 20):
         self.warmup_iters = warmup_iters
+        self.graph: torch.cuda.CUDAGraph | None = None
 
     def _body(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the eager step's body, and the optimizer step when no
@@ -62,6 +81,8 @@ class GraphedStep(Step):
     def prepare(self, run: Training) -> None:
         """Warm up and capture on random data, then restore the run's state."""
         device = run.device
+        ddp = isinstance(uncompiled(run.model), DistributedDataParallel)
+        self.warmup_iters = warmup_steps(self.warmup_iters, ddp)
         self.stream = torch.cuda.Stream(device)  # on this rank's GPU, after set_device
         saved = _snapshot(run)
         with torch.random.fork_rng(devices=[device]):
@@ -88,7 +109,16 @@ class GraphedStep(Step):
         torch.cuda.synchronize(device)
         _restore(run, saved)
 
+    def release(self) -> None:
+        """Free the captured graph (once; nothing to do before capture). Not synchronised:
+        after an error a replay may still wait for a peer that is gone, and CUDA frees a
+        graph that is still running when it completes."""
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.reset()
+
     def __call__(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        assert self.graph is not None, "prepare() captures the graph first"
         with run.prof.range("copy batch into static buffers"):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
@@ -126,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("CUDA graphs need a GPU: no CUDA device here, so this runs train_mp.py's "
                     "step eagerly (same results, no graph capture)")
         return train_mp.main(argv)
-    return train_mp.main(argv, step=GraphedStep(warmup))
+    step = GraphedStep(warmup)
+    try:
+        return train_mp.main(argv, step=step)
+    finally:  # however it ends; run_main shuts the process groups down only after this
+        step.release()
 
 
 def split_graph_args(argv: list[str] | None) -> tuple[list[str], int]:

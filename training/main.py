@@ -55,7 +55,10 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
     after the `try`, where the exception and the frames its traceback held (the model, and
     the group DDP keeps) are already gone. A finished or preempted run ends on every rank
     at once, so the ranks meet at a barrier first (an error every rank raises has passed
-    one already). Other exceptions are bugs: they propagate with their traceback.
+    one already). Other exceptions are bugs: they propagate with their traceback, and the
+    process groups end with the interpreter. So whatever else holds a communicator is
+    released by `main` itself, in a `finally` that runs first on every ending
+    (train_mp_graphs.py: its CUDA graph, which NCCL would otherwise wait for).
     """
     code: Any = 0
     printed = True
