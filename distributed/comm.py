@@ -43,7 +43,7 @@ from distributed import rendezvous
 from distributed.launch_env import LaunchEnv, resolve_launch_env
 from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
-from utils.errors import ConfigError
+from utils.errors import ConfigError, LaunchError
 
 GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
 # "mp" is a name, not an axis: the group of all model-parallel axes.
@@ -206,7 +206,7 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int =
     run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
     if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", cuda_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         # TF32 matmuls unless the user turned them off the NVIDIA way.
         tf32 = os.environ.get("NVIDIA_TF32_OVERRIDE", "1") != "0"
@@ -222,13 +222,56 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int =
         # dead rank ends the job instead of hanging it for 30 minutes.
         limits = rendezvous.timeouts()
         store = rendezvous.join(env, limits)  # None under torchrun: env://, its agent's store
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo", store=store,
-            rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(seconds=limits.collective),
-            device_id=device if device.type == "cuda" else None)
+        try:  # with device_id, NCCL sets up its communicator here (and checks the GPUs)
+            dist.init_process_group(
+                backend="nccl" if device.type == "cuda" else "gloo", store=store,
+                rank=env.rank, world_size=env.world_size,
+                timeout=timedelta(seconds=limits.collective),
+                device_id=device if device.type == "cuda" else None)
+        except dist.DistBackendError as e:
+            problem = shared_gpu_problem(str(e))
+            if problem is None:
+                raise
+            raise LaunchError(problem) from None
     init(tp=tp, cp=cp, order=order, h=h, w=w)  # every rank raises the same one-line error
     return env, device
+
+
+ONE_GPU_PER_RANK = ("start at most as many ranks per node as it has GPUs (torchrun "
+                    "--nproc_per_node, sbatch --ntasks-per-node), or bind one GPU to each "
+                    "task (srun --gpus-per-task=1)")
+
+
+def cuda_index(local_rank: int, device_count: int, environ: Any = None) -> int:
+    """The GPU (index among the `device_count` this process sees) of the rank `local_rank`
+    of its node: its local rank; or, for a task the launcher bound to GPUs of its own (it
+    sees one, or SLURM_GPUS_PER_TASK is set), local rank modulo what it sees. A node running
+    more ranks than GPUs is a one-line error here; two ranks on one GPU would otherwise
+    fail later inside NCCL, with a multi-line "Duplicate GPU" error."""
+    environ = os.environ if environ is None else environ
+    seen = (f"{device_count} GPU{'s' if device_count > 1 else ''} "
+            f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    # torchrun gives every process of a node the same GPUs: each rank checks all of them.
+    per_node = environ.get("LOCAL_WORLD_SIZE", "") if environ.get("TORCHELASTIC_RUN_ID") else ""
+    if per_node.isdigit() and int(per_node) > device_count:
+        raise LaunchError(f"torchrun starts {per_node} ranks per node, which see {seen}; "
+                          f"{ONE_GPU_PER_RANK}", every_rank=True)
+    if local_rank < device_count:
+        return local_rank
+    if device_count == 1 or environ.get("SLURM_GPUS_PER_TASK"):
+        return local_rank % device_count  # GPUs bound to this task: if shared, NCCL says so
+    raise LaunchError(f"local rank {local_rank} has no GPU of its own: this process sees "
+                      f"{seen}, so this node runs more ranks than GPUs; {ONE_GPU_PER_RANK}")
+
+
+def shared_gpu_problem(nccl_error: str) -> str | None:
+    """The one-line error for NCCL's refusal of two ranks on one GPU ("Duplicate GPU
+    detected : rank 1 and rank 0 both on CUDA device 1000", inside a multi-line
+    DistBackendError), or None for any other NCCL error."""
+    found = [line.strip() for line in nccl_error.splitlines() if "Duplicate GPU" in line]
+    if not found:
+        return None
+    return f"two ranks of this node use the same GPU (NCCL: {found[0]}); {ONE_GPU_PER_RANK}"
 
 
 def cpu_threads(env: LaunchEnv, environ: Any = None) -> int:
