@@ -13,6 +13,7 @@ start-up checks give (no GPU assigned, a CPU-only PyTorch, a bad CUDA_VISIBLE_DE
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
-from helpers import Tolerances, losses, run_script
+from helpers import CONFIG_FILE, Tolerances, losses, run_script
 
 REQUIRED = bool(os.environ.get("GPU_TESTS_REQUIRED"))
 
@@ -39,6 +40,19 @@ GPU_FP32 = Tolerances(
 # fp32 everywhere: TF32 matmuls would add ~1e-3 relative noise per product.
 FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 TIMEOUT = 600           # seconds per training subprocess (CUDA start-up, cuDNN autotuning)
+
+# Two mixed-precision runs of the same training on the GPU (printed losses, 16 steps). On the
+# CPU, bf16 train.py and train_mp.py (tp 2, cp 2) log losses within 1e-4 of each other
+# (tests/test_bf16_layouts.py) and fp16 serial and tp 2 within 6e-7 (tests/
+# test_fp16_overflow.py). A GPU adds kernels that do not add in a fixed order (flash
+# attention's backward, atomics): the bounds allow 10x (fp16) and 40x (bf16, 8 mantissa bits
+# to fp16's 11) that, and stay far below what a broken graph does (a stale input, a frozen LR
+# or scale, accumulating gradients move the loss by > 1e-2 within a few steps). Measured on
+# no GPU yet: the first GPU run confirms them (docs/gpu_self_test.md).
+MIXED_LOSS_RTOL = {"fp16": 1e-3, "bf16": 4e-3}
+# fp16 runs with a forced overflow against the serial run: parameters within 3 % of each
+# tensor's norm (CPU: <= 1.06 %; without the ranks' agreement 43-65 %).
+FP16_PARAM_RTOL = 3e-2
 
 
 def why_no_cuda() -> str:
@@ -118,3 +132,20 @@ def peak_memory_gib(run, iters: int) -> float:
     m = re.search(rf"Finished {iters} iterations; peak memory ([0-9.]+) GB", run.stdout)
     assert m, f"no peak memory line\n{run.stdout[-3000:]}"
     return float(m.group(1))
+
+
+def config_on_grid(tmp_path: Path, base: str, img_size: tuple[int, int]) -> tuple[str, str]:
+    """The repository's config `base` on another `img_size` grid (the tiny data set is
+    16 x 32; a smaller grid is read as its crop): (the --yaml_config file, the --config
+    name) of a YAML file with that one section. E.g. (12, 28) with patch 4: 3 x 7 tokens,
+    split 11 + 10 over cp 2, and into 2 + 1 rows and 4 + 3 columns over h 2 x w 2."""
+    from utils.config import read_config
+
+    section = read_config(CONFIG_FILE, base, environ={}).model_dump()
+    for key in ("config", "yaml_config", "flags"):  # set by the loader, not config keys
+        section.pop(key)
+    section["img_size"] = list(img_size)
+    name = f"{base}_{img_size[0]}x{img_size[1]}"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps({name: section}))  # JSON is YAML
+    return str(path), name

@@ -54,6 +54,7 @@ def full_size_data(request, tmp_path_factory):
                          ids=["short", "bs256_opt", "mp_tp4", "mp_tp4_graphs"])
 def test_readme_gpu_command_fits_a_40gb_gpu(full_size_data, tmp_path, command, script, args,
                                             gpus, iters):
+    """Each README GPU command's per-GPU layout peaks within BUDGET_GIB on a 40 GB GPU."""
     need_gpus(gpus)
     total = torch.cuda.get_device_properties(0).total_memory / 1024**3
     if total < A100_40GB_GIB:

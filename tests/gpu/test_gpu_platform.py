@@ -63,6 +63,8 @@ def tf32_probe(**env: str) -> dict:
 
 
 def test_tf32_is_on_by_default_and_nvidia_tf32_override_0_turns_it_off():
+    """TF32 matmuls are on by default and NVIDIA_TF32_OVERRIDE=0 turns them off (flags and
+    numbers)."""
     on, off = tf32_probe(), tf32_probe(NVIDIA_TF32_OVERRIDE="0")
     assert (on["matmul"], on["cudnn"]) == (True, True), on
     assert (off["matmul"], off["cudnn"]) == (False, False), off
@@ -75,17 +77,17 @@ def test_tf32_is_on_by_default_and_nvidia_tf32_override_0_turns_it_off():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dali_gpu_pipeline_gives_the_pytorch_loaders_batches(tiny_params, workers):
+    """DALI's GPU pipeline yields the PyTorch loader's batches, in order, for two epochs."""
     need_module("nvidia.dali", DALI_INSTALL)
     from utils.data.dali import get_data_loader_dali
     from utils.data.loader import get_data_loader
 
     torch.cuda.set_device(0)
-    tiny_params.num_data_workers = 0
-    ref_loader, _, ref_sampler = get_data_loader(tiny_params, tiny_params.train_data_path,
-                                                 train=True)
-    tiny_params.num_data_workers = workers
-    loader, _, sampler = get_data_loader_dali(tiny_params, tiny_params.train_data_path,
-                                              True)
+    cfg, batch = tiny_params, tiny_params.local_batch_size
+    ref_loader, _, ref_sampler = get_data_loader(cfg.replace(num_data_workers=0),
+                                                 cfg.train_data_path, True, batch_size=batch)
+    loader, _, sampler = get_data_loader_dali(cfg.replace(num_data_workers=workers),
+                                              cfg.train_data_path, True, batch_size=batch)
     try:
         for epoch in (1, 2):
             sampler.set_epoch(epoch)
@@ -104,6 +106,7 @@ def test_dali_gpu_pipeline_gives_the_pytorch_loaders_batches(tiny_params, worker
 
 def test_training_fed_by_dali_on_the_gpu_logs_the_pytorch_loaders_losses(tiny_data,
                                                                           tmp_path_factory):
+    """A run fed by DALI logs the losses of one fed by the PyTorch loader (fp32)."""
     need_module("nvidia.dali", DALI_INSTALL)
     args = ["--config=tiny", "--num_iters=16"]
     ref = gpu_run("train.py", [*args, "--data_loader_config=pytorch"], tiny_data,
@@ -163,6 +166,7 @@ def nsys() -> str:
 
 
 def test_nsys_capture_range_opens_closes_and_a_rerun_overwrites(nsys, tiny_data, tmp_path):
+    """nsys records the profiled epoch's NVTX ranges, and a rerun overwrites its report."""
     prof = tmp_path / "prof"
     prof.mkdir()
     cmd = nsys_command("train.py", "--config=tiny", "--num_iters=16",
@@ -177,7 +181,9 @@ def test_nsys_capture_range_opens_closes_and_a_rerun_overwrites(nsys, tiny_data,
 
 
 def test_nsys_traces_cuda_graph_replays_kernel_by_kernel(nsys, tiny_data, tmp_path):
-    """Epoch 2 of the graphs script is all replays (capture after 3 of epoch 1's 8 steps).
+    """nsys traces a CUDA-graph replay kernel by kernel (--cuda-graph-trace=node).
+
+    Epoch 2 of the graphs script is all replays (capture after 3 of epoch 1's 8 steps).
     Traced per graph, its kernels would be hidden inside one block per replay and the
     kernel summary would show only the few eager kernels around the replay (loss sums, NaN
     checks); traced per node it lists the forward and backward kernels."""

@@ -3,8 +3,10 @@ their logged losses and saved checkpoints are compared (bounds in gpu_utils.py).
 
   - train_mp_graphs.py (step captured in a CUDA graph, then replayed) trains like
     train_mp.py's eager step: same seed, same tiny config, fp32;
-  - train.py with DDP over NCCL on every visible GPU trains like one GPU;
+  - train.py with DDP over NCCL on every visible GPU trains like one GPU, also with fused
+    Adam and torch.compile;
   - fp16 (with the GradScaler) and bf16 autocast train without NaN/inf, and learn.
+The model-parallel layouts on NCCL are in test_gpu_parallel.py.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def tiny(iters: int = ITERS, *flags: str) -> list[str]:
 
 
 def test_cuda_graph_replays_train_like_eager_steps(tiny_data, tmp_path_factory):
-    """Capture after 3 eager warm-up steps, then 13 replays. A graph that replayed stale
+    """One GPU: a captured step replayed 13 times trains like the eager step (fp32).
+
+    Capture after 3 eager warm-up steps, then 13 replays. A graph that replayed stale
     inputs, kept accumulating gradients, or froze the learning rate would leave the eager
     curve within a step or two."""
     eager = gpu_run("train_mp.py", tiny(), tiny_data, tmp_path_factory.mktemp("eager"),
@@ -46,16 +50,20 @@ def test_cuda_graph_replays_train_like_eager_steps(tiny_data, tmp_path_factory):
     assert_same_training(graphs, eager, "tiny", (1, 1), ITERS)
 
 
-def test_nccl_ddp_on_every_visible_gpu_trains_like_one_gpu(tiny_data, tmp_path_factory):
+@pytest.mark.parametrize("flags", [(), ("--enable_fused", "--enable_jit")],
+                         ids=["adam", "fused_adam_compiled"])
+def test_nccl_ddp_on_every_visible_gpu_trains_like_one_gpu(tiny_data, tmp_path_factory, flags):
+    """DDP over NCCL on every GPU of the node (plain, and with fused Adam and torch.compile,
+    whose DDP graph is split at the gradient buckets) trains like one GPU (fp32)."""
     n = need_gpus(2)
     if n > TINY_TRAIN_SAMPLES // 2:
         pytest.skip(f"{n} GPUs: more than the tiny data set can feed two steps per epoch")
     batch = n * math.ceil(4 / n)  # the global batch: divisible by n, at least 4
     iters = 2 * (TINY_TRAIN_SAMPLES // batch)  # two epochs
-    one = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch}"), tiny_data,
+    one = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch}", *flags), tiny_data,
                   tmp_path_factory.mktemp("one_gpu"), env=FP32_ENV)
-    ddp = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch // n}"), tiny_data,
-                  tmp_path_factory.mktemp("ddp"), nproc=n, env=FP32_ENV)
+    ddp = gpu_run("train.py", tiny(iters, f"--local_batch_size={batch // n}", *flags),
+                  tiny_data, tmp_path_factory.mktemp("ddp"), nproc=n, env=FP32_ENV)
     assert f"world size {n} (env launcher), global batch {batch}, local batch {batch // n}" \
         in ddp.stdout, ddp.stdout[-3000:]
     assert_same_training(ddp, one, "tiny", (n, 1), iters)
@@ -63,6 +71,8 @@ def test_nccl_ddp_on_every_visible_gpu_trains_like_one_gpu(tiny_data, tmp_path_f
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision_trains_without_nan(tiny_data, tmp_path, amp):
+    """fp16 (with loss scaling) and bf16 autocast train on one GPU without NaN/inf, and
+    learn."""
     import torch
 
     if amp == "bf16" and not torch.cuda.is_bf16_supported():
