@@ -1,0 +1,73 @@
+"""The 20 channels of the tutorial's ERA5 layout and what each is called elsewhere.
+
+One table, in the data contract's channel order: the tutorial's short name, the variable
+name of the WeatherBench-2 / ARCO-ERA5 Zarr stores (which WeatherBench-2 also uses for
+forecasts and scores), the short name of the Copernicus CDS NetCDF files, the pressure
+level in hPa (None: a single-level field) and the physical units (CF style, as the public
+stores write them). Geopotential stays geopotential (m2/s2), not geopotential height.
+
+Besides the 20 stored channels, the evaluation scores one derived variable that
+WeatherBench-2 reports among its headline scores: 10 m wind speed, sqrt(u10^2 + v10^2).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Channel(NamedTuple):
+    name: str          # the tutorial's name, e.g. "z500"
+    variable: str      # WeatherBench-2 / ARCO-ERA5 name, e.g. "geopotential"
+    short: str         # CDS NetCDF name, e.g. "z"
+    level: int | None  # hPa; None for single-level fields
+    units: str
+
+
+CHANNELS: tuple[Channel, ...] = (
+    Channel("u10", "10m_u_component_of_wind", "u10", None, "m s**-1"),
+    Channel("v10", "10m_v_component_of_wind", "v10", None, "m s**-1"),
+    Channel("t2m", "2m_temperature", "t2m", None, "K"),
+    Channel("sp", "surface_pressure", "sp", None, "Pa"),
+    Channel("msl", "mean_sea_level_pressure", "msl", None, "Pa"),
+    Channel("t850", "temperature", "t", 850, "K"),
+    Channel("u1000", "u_component_of_wind", "u", 1000, "m s**-1"),
+    Channel("v1000", "v_component_of_wind", "v", 1000, "m s**-1"),
+    Channel("z1000", "geopotential", "z", 1000, "m**2 s**-2"),
+    Channel("u850", "u_component_of_wind", "u", 850, "m s**-1"),
+    Channel("v850", "v_component_of_wind", "v", 850, "m s**-1"),
+    Channel("z850", "geopotential", "z", 850, "m**2 s**-2"),
+    Channel("u500", "u_component_of_wind", "u", 500, "m s**-1"),
+    Channel("v500", "v_component_of_wind", "v", 500, "m s**-1"),
+    Channel("z500", "geopotential", "z", 500, "m**2 s**-2"),
+    Channel("t500", "temperature", "t", 500, "K"),
+    Channel("z50", "geopotential", "z", 50, "m**2 s**-2"),
+    Channel("r500", "relative_humidity", "r", 500, "%"),
+    Channel("r850", "relative_humidity", "r", 850, "%"),
+    Channel("tcwv", "total_column_water_vapour", "tcwv", None, "kg m**-2"),
+)
+CHANNEL_NAMES: tuple[str, ...] = tuple(c.name for c in CHANNELS)
+
+# Derived variables the evaluation scores beside the channels: name -> (WeatherBench-2
+# name, units, the channels it is computed from).
+WIND_SPEED = Channel("ws10", "10m_wind_speed", "si10", None, "m s**-1")
+DERIVED: tuple[Channel, ...] = (WIND_SPEED,)
+WIND_COMPONENTS = ("u10", "v10")
+
+# WeatherBench-2's headline variables (its scorecards), in the tutorial's names.
+HEADLINE = ("z500", "t850", "t2m", "u10", "v10", "ws10", "msl")
+
+_BY_NAME = {c.name: c for c in (*CHANNELS, *DERIVED)}
+
+
+def channel(name: str) -> Channel | None:
+    """The table's row of a tutorial channel name (or a derived variable), else None."""
+    return _BY_NAME.get(name)
+
+
+def wb2_label(name: str) -> str:
+    """How WeatherBench-2 names a channel in its results: 'geopotential 500 hPa',
+    '2m_temperature'; the name itself for a channel outside the table."""
+    c = channel(name)
+    if c is None:
+        return name
+    return c.variable if c.level is None else f"{c.variable} {c.level} hPa"
