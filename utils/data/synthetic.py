@@ -2,8 +2,13 @@
 tutorial's HDF5 layout, so the real-data loaders read it unchanged.
 
 Layout (one file per "year", years of a split are consecutive chunks of one trajectory):
-    <out>/{train,valid,test}/<year>.h5  dataset "fields" float32 (N, 20, H, W), chunks (1, 20, H, W)
-    <out>/stats/global_means.npy, global_stds.npy (1, 20, 1, 1); time_means.npy (1, 20, H, W)
+    <out>/{train,valid,test}/<year>.h5  "fields" float32 (N, 20, H, W), chunks (1, 20, H, W);
+        "latitude" (H,) rows at 90 - 180 i / H degrees (north pole included, south pole not),
+        "longitude" (W,) at 360 j / W; "time" (N,) hours since 1970-01-01 (labels: a synthetic
+        year starts on 1 January and lasts samples_per_year samples)
+    <out>/stats/global_means.npy, global_stds.npy (1, 20, 1, 1); time_means.npy (1, 20, H, W);
+        climatology.npz (seasonal and diurnal harmonics, utils/data/climatology.py);
+        latitude.npy, longitude.npy
 
 Dynamics (nondimensional: length = Earth radius, velocity = 10 m/s): two equal layers of
 quasi-geostrophic potential vorticity on a doubly periodic beta-plane (x = longitude, y =
@@ -30,10 +35,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-CHANNEL_NAMES = (
-    "u10", "v10", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
-    "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv",
-)
+from utils.data.climatology import sample_times
+from utils.data.era5_names import CHANNEL_NAMES
+from utils.data.grid import Grid, write_file_grid
+from utils.data.statistics import PartialSums, write_stats
+
+__all__ = ["CHANNEL_NAMES", "generate", "grid_of", "main"]
+
 DT_HOURS = 6
 FIRST_YEAR = 2016
 SPLITS = ("train", "valid", "test")
@@ -79,6 +87,11 @@ def _resample(ah: np.ndarray, ny: int, nx: int, shape: tuple[int, int]) -> np.nd
 def _latitudes(h: int) -> np.ndarray:
     """Row 0 is the north pole, like the tutorial's 720-row ERA5 grid."""
     return np.deg2rad(90.0 - 180.0 * np.arange(h) / h)
+
+
+def grid_of(h: int, w: int) -> Grid:
+    """The output grid in degrees: rows at 90 - 180 i / h, columns at 360 j / w."""
+    return Grid(90.0 - 180.0 * np.arange(h) / h, 360.0 * np.arange(w) / w)
 
 
 def _orography(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -243,15 +256,9 @@ class _Planet:
 
 def _expected_files(out: Path, years: dict[str, list[int]]) -> list[Path]:
     files = [out / split / f"{y}.h5" for split in SPLITS for y in years[split]]
-    return files + [out / "stats" / f"{n}.npy" for n in ("global_means", "global_stds",
-                                                           "time_means")]
-
-
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr.astype(np.float32))
-    os.replace(tmp, path)
+    return files + [out / "stats" / n for n in (
+        "global_means.npy", "global_stds.npy", "time_means.npy", "climatology.npz",
+        "latitude.npy", "longitude.npy")]
 
 
 def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
@@ -288,14 +295,13 @@ def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
     while planet.index < 0:  # spin up to the statistically stationary turbulent state
         planet.advance()
     land, orog = _orography((h, w))
-    stats = _TrainStats()
+    stats = PartialSums.empty()
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
         for year in years[split]:
             _write_year(out / split / f"{year}.h5", planet, (h, w), land, orog, split, year,
                         samples_per_year, seed, stats if split == "train" else None)
-    (out / "stats").mkdir(parents=True, exist_ok=True)
-    stats.save(out / "stats")
+    write_stats(out / "stats", stats, grid_of(h, w))
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({size / 1e6:.1f} MB) to {out} in {seconds:.1f} s")
@@ -304,7 +310,7 @@ def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
 
 def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.ndarray,
                 orog: np.ndarray, split: str, year: int, samples_per_year: int, seed: int,
-                stats: _TrainStats | None) -> None:
+                stats: PartialSums | None) -> None:
     """One year file, written under a temporary name and renamed when complete."""
     h, w = shape
     tmp = path.with_name(path.name + ".tmp")
@@ -318,41 +324,21 @@ def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.nd
             "samples_per_year": samples_per_year,
             "description": "synthetic ERA5-like two-layer QG planet, row 0 = north",
         })
+        write_file_grid(f, grid_of(h, w))
+        # Time labels: 1 January of `year`, at the hour of day of the planet's diurnal cycle.
+        jan1 = (np.datetime64(f"{year}-01-01T00", "h") - np.datetime64("1970-01-01T00", "h"))
+        hours = (jan1.astype(np.int64) + (planet.index * DT_HOURS) % 24
+                 + DT_HOURS * np.arange(samples_per_year, dtype=np.int64))
+        f.create_dataset("time", data=hours, track_times=False).attrs.update(
+            {"units": "hours since 1970-01-01 00:00:00"})
+        phase, hour = sample_times(hours, samples_per_year)
         for i in range(samples_per_year):
             x = planet.diagnose((h, w), land, orog)
             ds[i] = x
             if stats is not None:
-                stats.add(x)
+                stats.add(x[None], phase[i:i + 1], hour[i:i + 1])
             planet.advance()
     os.replace(tmp, path)
-
-
-class _TrainStats:
-    """Per-channel mean and std over every training sample and pixel, and the per-pixel time
-    mean (the climatology). Shifted sums keep the variance accurate in float64."""
-
-    def __init__(self) -> None:
-        self.shift = None
-        self.count = 0
-
-    def add(self, x: np.ndarray) -> None:
-        x64 = x.astype(np.float64)
-        if self.shift is None:
-            self.shift = x64.mean(axis=(1, 2), keepdims=True)
-            self.s_sum, self.s_sq, self.t_sum = 0.0, 0.0, np.zeros_like(x64)
-        d = x64 - self.shift
-        self.s_sum = self.s_sum + d.sum(axis=(1, 2), keepdims=True)
-        self.s_sq = self.s_sq + (d * d).sum(axis=(1, 2), keepdims=True)
-        self.t_sum += x64
-        self.count += 1
-
-    def save(self, stats_dir: Path) -> None:
-        n = self.count * self.t_sum.shape[1] * self.t_sum.shape[2]
-        mean_d = self.s_sum / n
-        stds = np.sqrt(np.maximum(self.s_sq / n - mean_d**2, 0.0))
-        _save_npy(stats_dir / "global_means.npy", (self.shift + mean_d)[None])
-        _save_npy(stats_dir / "global_stds.npy", stds[None])
-        _save_npy(stats_dir / "time_means.npy", (self.t_sum / self.count)[None])
 
 
 def _positive_int(text: str) -> int:

@@ -1,0 +1,150 @@
+"""Statistics of the training years from partial sums that merge exactly.
+
+Each year (each worker, each SLURM array task) accumulates its own `PartialSums` while it
+writes, batch by batch; the stats/ files are computed from the merge of all training years'
+sums. Merging is exact arithmetic on sums (the order changes only float64 round-off, ~1e-15
+relative), so the result is what one pass over all training samples gives:
+
+  - global_means, global_stds (1, C, 1, 1): per channel, over every sample and grid point
+    (population std). Kept as (count, mean, sum of squared deviations) per channel and
+    merged with Chan et al.'s pairwise formula, which stays accurate where a plain sum of
+    squares loses digits (geopotential ~5e4 m2/s2 with a std of ~3e3);
+  - time_means (1, C, H, W): the mean over samples of each grid point;
+  - the harmonic climatology (utils/data/climatology.py): the normal equations X^T X and
+    X^T Y of the least-squares fit, where X holds the 14 harmonic terms of each sample's
+    time and Y its fields (the 20 channels and the derived 10 m wind speed). The constant
+    term's row of X^T Y is the sum of the samples: time_means comes from it.
+
+Memory: X^T Y is float64, 14 x 21 x H x W x 8 bytes: 2.4 GB at 720 x 1440, 0.6 GB at
+360 x 720, 19 MB at 64 x 128; X^T X and the per-channel numbers are small.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from utils.data.climatology import TERMS, basis, save_climatology, save_npz
+from utils.data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
+from utils.data.grid import Grid, save_stats_grid
+
+
+def with_derived(x: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+    """(B, C, H, W) fields -> (B, C + 1, H, W) with 10 m wind speed appended, when the
+    channels are the tutorial's 20; else the fields unchanged. Also the channel names."""
+    if x.shape[1] != len(CHANNEL_NAMES):
+        return x, tuple(f"ch{c}" for c in range(x.shape[1]))
+    u, v = (x[:, CHANNEL_NAMES.index(n)] for n in WIND_COMPONENTS)
+    speed = np.hypot(u, v)[:, None]
+    return np.concatenate([x, speed], axis=1), (*CHANNEL_NAMES, WIND_SPEED.name)
+
+
+@dataclass
+class PartialSums:
+    """Sums over the samples seen so far (module docstring); `empty()` to start."""
+
+    count: int                # samples
+    mean: np.ndarray          # (C,) float64: per-channel mean over samples and grid points
+    m2: np.ndarray            # (C,) float64: sum of squared deviations from `mean`
+    xtx: np.ndarray           # (T, T) float64
+    xty: np.ndarray           # (T, C', H, W) float64
+    channels: tuple[str, ...]  # C' names: the channels and the derived fields
+
+    @classmethod
+    def empty(cls) -> PartialSums:
+        none = np.zeros(0)
+        return cls(0, none, none, np.zeros((len(TERMS), len(TERMS))), none, ())
+
+    def add(self, x: np.ndarray, phase: np.ndarray, hour: np.ndarray) -> None:
+        """Add a batch of samples (B, C, H, W) at year fractions `phase` (B,) and UTC hours
+        `hour` (B,)."""
+        x64 = x.astype(np.float64)
+        b = x64.shape[0]
+        n = b * x64.shape[2] * x64.shape[3]
+        mean = x64.mean(axis=(0, 2, 3))
+        m2 = ((x64 - mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+        fields, channels = with_derived(x64)
+        design = basis(phase, hour)  # (B, T)
+        xty = np.tensordot(design, fields, axes=([0], [0]))
+        if self.count == 0:
+            self.mean, self.m2 = np.zeros_like(mean), np.zeros_like(m2)
+            self.xty, self.channels = np.zeros_like(xty), channels
+        self._merge_moments(self.count * x64.shape[2] * x64.shape[3], n, mean, m2)
+        self.xtx += design.T @ design
+        self.xty += xty
+        self.count += b
+
+    def _merge_moments(self, n_a: int, n_b: int, mean_b: np.ndarray, m2_b: np.ndarray
+                       ) -> None:
+        n = n_a + n_b
+        delta = mean_b - self.mean
+        self.mean = self.mean + delta * (n_b / n)
+        self.m2 = self.m2 + m2_b + delta**2 * (n_a * n_b / n)
+
+    def merge(self, other: PartialSums) -> PartialSums:
+        """These sums plus `other`'s (both of the same grid and channels)."""
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        pixels = self.xty.shape[2] * self.xty.shape[3]
+        out = PartialSums(self.count, self.mean.copy(), self.m2.copy(), self.xtx + other.xtx,
+                          self.xty + other.xty, self.channels)
+        out._merge_moments(self.count * pixels, other.count * pixels, other.mean, other.m2)
+        out.count = self.count + other.count
+        return out
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> None:
+        """One .npz, written under a temporary name and renamed when complete."""
+        save_npz(path, count=np.int64(self.count), mean=self.mean, m2=self.m2, xtx=self.xtx,
+                 xty=self.xty, channels=np.array(self.channels))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PartialSums:
+        with np.load(path) as f:
+            return cls(int(f["count"]), f["mean"], f["m2"], f["xtx"], f["xty"],
+                       tuple(str(c) for c in f["channels"]))
+
+    # ------------------------------------------------------------------ results
+    def means_and_stds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(1, C, 1, 1) float64 global means and population standard deviations."""
+        pixels = self.xty.shape[2] * self.xty.shape[3]
+        var = self.m2 / (self.count * pixels)
+        return self.mean[None, :, None, None], np.sqrt(var)[None, :, None, None]
+
+    def time_mean(self) -> np.ndarray:
+        """(C', H, W) float64: the mean over samples of every grid point (the constant
+        term's row of X^T Y divided by the number of samples)."""
+        return self.xty[0] / self.count
+
+    def harmonics(self) -> np.ndarray:
+        """(T, C', H, W) float64 least-squares coefficients of the climatology. Terms the
+        samples cannot tell apart (a few days of data, not a year) get the minimum-norm
+        solution instead of an error."""
+        T = len(TERMS)
+        solved = np.linalg.pinv(self.xtx, rcond=1e-10) @ self.xty.reshape(T, -1)
+        return solved.reshape(self.xty.shape)
+
+
+def write_stats(stats_dir: str | os.PathLike, sums: PartialSums, grid: Grid) -> list[Path]:
+    """stats/global_means.npy, global_stds.npy, time_means.npy (float32, the tutorial's
+    layout), climatology.npz, latitude.npy and longitude.npy; each written whole."""
+    out = Path(stats_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    means, stds = sums.means_and_stds()
+    C = len(sums.mean)
+    time_mean = sums.time_mean()
+    for name, values in (("global_means", means), ("global_stds", stds),
+                         ("time_means", time_mean[None, :C])):
+        tmp = out / f"{name}.npy.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, values.astype(np.float32))
+        os.replace(tmp, out / f"{name}.npy")
+    save_climatology(out, sums.harmonics(), time_mean, sums.channels, sums.count)
+    save_stats_grid(out, grid)
+    return [out / f"{n}" for n in ("global_means.npy", "global_stds.npy", "time_means.npy",
+                                  "climatology.npz", "latitude.npy", "longitude.npy")]
