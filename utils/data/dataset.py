@@ -3,8 +3,11 @@ rollouts (`rollout_steps` K > 1) the targets at t + dt, ..., t + K*dt. Shared by
 PyTorch loader (utils/data/loader.py) and the DALI loader (utils/data/dali.py).
 
 <data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
-(n_samples, channels, H, W); samples are 6 hours apart. Fields are normalised with the
-global per-channel means and standard deviations and cropped to `img_size`. With a `tile`
+(n_samples, channels, H, W); samples are 6 hours apart. Every file records its grid
+(`latitude`, `longitude`; utils/data/grid.py), which must agree with the grid beside the
+statistics and be the same in every file. Fields are normalised with the global
+per-channel means and standard deviations; an `img_size` smaller than the grid reads its
+first rows and columns, a crop stated once in the log. With a `tile`
 (spatial parallelism) a rank reads only its block of rows and columns of that grid: an HDF5
 hyperslab read, so its memory and read volume shrink with the mesh.
 """
@@ -24,6 +27,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from utils.config_schema import Config
 from utils.data.batch_read import read_batch
 from utils.data.checks import FieldsReader, check_dtypes, check_stats
+from utils.data.grid import Grid, agree, crop_to, load_stats_grid, read_file_grid
 from utils.errors import DataError
 from utils.tile import Tile
 
@@ -53,6 +57,27 @@ def load_stats(path: str, channels: int, name: str) -> np.ndarray:
     return check_stats(stats[:, :channels], path, name)
 
 
+def stats_grid(cfg: Config) -> Grid:
+    """The data set's grid as recorded beside its statistics (stats/latitude.npy,
+    longitude.npy), or assumed from the shape of time_means.npy."""
+    path = cfg.time_means_path
+    if not os.path.isfile(path):
+        raise DataError(f"statistics file {path} not found")
+    try:
+        shape = np.load(path, mmap_mode="r").shape
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"time means {path} is not a readable .npy file ({first})") from None
+    if len(shape) != 4:
+        raise DataError(f"time means {path} has shape {shape}, expected (1, C, H, W)")
+    return load_stats_grid(os.path.dirname(path), shape[2:])
+
+
+def score_grid(cfg: Config) -> Grid:
+    """The grid the config reads and scores: the data set's, cropped to `img_size`."""
+    return crop_to(stats_grid(cfg), cfg.img_size, os.path.dirname(cfg.time_means_path))
+
+
 def load_stds(path: str, channels: int) -> np.ndarray:
     """The global standard deviations: `load_stats`, and every one > 0."""
     return check_stats(load_stats(path, channels, "global stds"), path, "global stds",
@@ -77,9 +102,12 @@ class ERA5Dataset(Dataset):
             raise ValueError(f"tile of a {self.tile.grid} grid, img_size is {self.img_size}")
         self.files = list_year_files(location)
         self.samples_per_file = []
+        self.stats_grid = stats_grid(cfg)
+        grids: list[Grid] = []
         for path in self.files:
-            self.samples_per_file.append(self._check_file(path))
+            self.samples_per_file.append(self._check_file(path, grids))
         check_dtypes(self.files)
+        self.grid = crop_to(grids[0], self.img_size, location)
         self.offsets = np.cumsum([0] + self.samples_per_file)
         self.n_samples = int(self.offsets[-1])
         limit = cfg.limit_nsamples if train else cfg.limit_nsamples_val
@@ -96,16 +124,27 @@ class ERA5Dataset(Dataset):
         self._handles: list[FieldsReader | None] = [None] * len(self.files)
         self._pid = None
 
-    def _check_file(self, path: str) -> int:
+    def _check_file(self, path: str, grids: list[Grid]) -> int:
+        """Samples of one year file that start a pair; its grid is appended to `grids`."""
         try:
             with h5py.File(path, "r") as f:
                 if "fields" not in f:
                     raise DataError(f"{path} has no dataset 'fields' (found: {list(f.keys())})")
                 shape = f["fields"].shape
+                if len(shape) != 4:
+                    raise DataError(f"{path}: 'fields' has shape {shape}, expected "
+                                    "(n, C, H, W)")
+                grid = read_file_grid(f, path, shape[2:])
         except OSError as e:
             raise DataError(f"{path} is not a readable HDF5 file: {e}") from None
-        if len(shape) != 4:
-            raise DataError(f"{path}: 'fields' has shape {shape}, expected (n, C, H, W)")
+        if grids and not grid.same_as(grids[0]):
+            raise DataError(f"{self.location} mixes grids: {path} is {grid.describe()}, "
+                            f"{self.files[0]} is {grids[0].describe()}")
+        if not agree(grid, self.stats_grid):
+            raise DataError(f"{path}: its grid ({grid.describe()}) is not the one beside "
+                            f"the statistics ({self.stats_grid.describe()}); prepare the "
+                            "data and its stats/ together")
+        grids.append(grid)
         n, c, h, w = shape
         if c != self.n_channels:
             raise DataError(f"{path}: 'fields' has {c} channels, config n_in_channels is "

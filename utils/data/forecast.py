@@ -3,7 +3,13 @@
 A rollout of L steps from sample i of a year file needs samples i, i + dt, ..., i + L*dt of
 that file: one HDF5 hyperslab read per initial condition, cropped to `img_size` and
 normalised with the global means and stds exactly like the training loader
-(utils.data_loader.ERA5Dataset, which also checks the files and statistics here).
+(utils.data.dataset.ERA5Dataset, which also checks the files, their grid and the statistics
+here).
+
+The time of every sample comes from the file's `time` dataset (hours since 1970-01-01;
+files without one: 6-hourly from 00 UTC on 1 January of the year the file is named after),
+and its place in the seasonal cycle from its index in the file and the file's
+`samples_per_year` attribute (the climatology's year fraction, utils/data/climatology.py).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 import torch
 
 from utils.config_schema import Config
+from utils.data.climatology import sample_times
 from utils.data.dataset import ERA5Dataset
-from utils.data.synthetic import CHANNEL_NAMES
+from utils.data.era5_names import CHANNEL_NAMES
 from utils.errors import DataError
 from utils.tile import Tile
 
@@ -45,9 +52,12 @@ class RolloutData:
         self.location = location
         data = ERA5Dataset(cfg, location, train=False)  # one-line DataError if anything is off
         self.files, self.dt, self.img_size = data.files, data.dt, data.img_size
+        self.grid = data.grid  # cropped to img_size
         self.lengths = [n + self.dt for n in data.samples_per_file]  # samples per file
         self.means, self.stds = data.means, data.stds  # (C, 1, 1)
         self._fields: dict[str, h5py.Dataset] = {}
+        self._times = {path: _file_times(path, n)
+                       for path, n in zip(self.files, self.lengths, strict=True)}
 
     def channel_names(self) -> list[str]:
         """From the files' `channel_names` attribute (the synthetic data writes it), else
@@ -59,6 +69,15 @@ class RolloutData:
         if len(names) >= C:
             return names[:C]
         return [CHANNEL_NAMES[c] if c < len(CHANNEL_NAMES) else f"ch{c}" for c in range(C)]
+
+    def valid_times(self, ics: list[InitialCondition], lead_steps: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hours since 1970-01-01, year fraction, UTC hour of day), each (B, L+1), of the
+        samples a rollout from each initial condition is scored against."""
+        rows = [ic.index + self.dt * np.arange(lead_steps + 1) for ic in ics]
+        picked = [tuple(a[r] for a in self._times[ic.file]) for ic, r in zip(ics, rows,
+                                                                              strict=True)]
+        return tuple(np.stack([p[k] for p in picked]) for k in range(3))  # type: ignore[return-value]
 
     def lead_hours(self, lead_steps: int) -> list[int]:
         return [k * self.dt * HOURS_PER_SAMPLE for k in range(lead_steps + 1)]
@@ -114,3 +133,17 @@ class RolloutData:
         for ds in self._fields.values():
             ds.file.close()
         self._fields.clear()
+
+
+def _file_times(path: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hours since 1970-01-01, year fraction, UTC hour) of each of a file's n samples."""
+    with h5py.File(path, "r") as f:
+        spy = int(f["fields"].attrs.get("samples_per_year", n))
+        hours = f["time"][:n].astype(np.int64) if "time" in f else None
+    if hours is None or len(hours) != n:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        year = int(stem) if stem.isdigit() and 1000 <= int(stem) <= 9999 else 1970
+        jan1 = np.datetime64(f"{year}-01-01T00", "h") - np.datetime64("1970-01-01T00", "h")
+        hours = jan1.astype(np.int64) + HOURS_PER_SAMPLE * np.arange(n, dtype=np.int64)
+    phase, hour = sample_times(hours, spy)
+    return hours, phase, hour
