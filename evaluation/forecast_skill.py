@@ -1,17 +1,22 @@
-"""Forecast skill by lead time: latitude-weighted RMSE and ACC of a rollout and of the two
-baselines every weather model is measured against.
+"""Forecast skill by lead time and region: latitude-weighted RMSE and ACC of a rollout and
+of the baselines every weather model is measured against.
 
     model        the autoregressive forecast x_k = model(x_{k-1}) from the initial state x_0
     persistence  "nothing changes": the forecast for every lead is x_0
-    climatology  "the average weather": the forecast for every lead is `time_means`
+    climatology  "the usual weather for the date and hour": the data set's seasonal and
+                 diurnal climatology at each valid time (utils/data/climatology.py)
+    time_mean    "the average weather": time_means, one field for every date and hour
 
-Scores are accumulated as sums over initial conditions (`forecast_sums`), so that
-data-parallel ranks can add their sums with one all-reduce before `skill_from_sums` divides:
-    RMSE(lead, channel) = std_c * sqrt(mean over ICs of the weighted mean squared error)
-    ACC(lead, channel)  = mean over ICs of the weighted anomaly correlation (evaluation/scores.py)
+ACC measures anomalies against the climatology (so its ACC is 0 by definition, not 0/0);
+a data set prepared without a climatology uses time_means for both, and says so in
+skill.json ("climatology": "time mean"). Scores are accumulated as sums over initial
+conditions (`forecast_sums`), so that data-parallel ranks can add their sums with one
+all-reduce before `skill_from_sums` divides (WeatherBench-2's definitions):
+    RMSE(region, lead, channel) = std_c * sqrt(mean over ICs of the weighted MSE)
+    ACC(region, lead, channel)  = mean over ICs of the weighted anomaly correlation
 Fields are normalised; multiplying by the channel's global std gives physical units.
-Climatology's anomaly is zero everywhere, so its ACC is 0 by definition (not 0/0).
-A forecast counts as useful while its ACC stays >= 0.6.
+Regions and weights: evaluation/regions.py. A forecast counts as useful while its ACC
+stays >= 0.6.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ import numpy as np
 import torch
 
 from evaluation.scores import weighted_acc_channels, weighted_mse_channels
+from utils.data.era5_names import HEADLINE
+from utils.data.era5_names import channel as channel_info
 from utils.tile import Tile
 
-FORECASTS = ("model", "persistence", "climatology")
+FORECASTS = ("model", "persistence", "climatology", "time_mean")
 USEFUL_ACC = 0.6
-HEADLINE_CHANNELS = ("u10", "t2m", "z500")
+HEADLINE_CHANNELS = HEADLINE  # WeatherBench-2's headline variables, in the tutorial's names
 
 # Physical units of the ERA5 channel families (first letters of the name).
-_UNITS = (("tcwv", "kg/m2"), ("msl", "Pa"), ("sp", "Pa"), ("u", "m/s"), ("v", "m/s"),
-          ("t", "K"), ("z", "m2/s2"), ("r", "%"))
+_UNITS = (("tcwv", "kg/m2"), ("msl", "Pa"), ("sp", "Pa"), ("ws", "m/s"), ("u", "m/s"),
+          ("v", "m/s"), ("t", "K"), ("z", "m2/s2"), ("r", "%"))
 
 
 def channel_units(name: str) -> str:
@@ -43,57 +50,68 @@ def channel_units(name: str) -> str:
 
 
 def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor, climatology: torch.Tensor,
-                  tile: Tile | None = None) -> torch.Tensor:
+                  time_mean: torch.Tensor, weights: torch.Tensor, tile: Tile | None = None
+                  ) -> torch.Tensor:
     """Sums over a batch of initial conditions, to be added up over batches and ranks.
 
     forecast, truth: (B, L+1, C, H, W) normalised fields at leads 0..L (forecast[:, 0] is
-    the initial state); climatology: (1, C, H, W) normalised. With a `tile` (spatial
-    parallelism) the fields and the climatology are this rank's tile of the grid, and the
-    sums are those of the whole grid (collectives over "h-w").
-    Returns float64 (3, 2, L+1, C): [model, persistence, climatology] x [sum of weighted
-    MSE, sum of ACC].
+    the initial state); climatology: its value at each valid time, (B, L+1, C, H, W), or
+    one field for all, (1, 1, C, H, W); time_mean: (1, 1, C, H, W); weights: the whole
+    grid's region weights (R, H). With a `tile` (spatial parallelism) the fields are this
+    rank's tile of the grid, and the sums are those of the whole grid (collectives over
+    "h-w"). Returns float64 (4 forecasts, 2, R, L+1, C): [sum of weighted MSE, sum of ACC].
     """
-    B, L1 = truth.shape[:2]
+    B, L1, C = truth.shape[:3]
+    weights = weights if weights.dim() == 2 else weights[None]
     truth = truth.float()
-    candidates = (forecast.float(), truth[:, :1].expand_as(truth),
-                  climatology.float().expand_as(truth))
-    sums = torch.zeros(len(FORECASTS), 2, L1, truth.shape[2], dtype=torch.float64,
+    clim = climatology.float().expand_as(truth)
+    candidates = (forecast.float(), truth[:, :1].expand_as(truth), clim,
+                  time_mean.float().expand_as(truth))
+    sums = torch.zeros(len(FORECASTS), 2, len(weights), L1, C, dtype=torch.float64,
                        device=truth.device)
+    flat = lambda x: x.reshape(B * L1, *x.shape[2:])  # noqa: E731
     for i, pred in enumerate(candidates):
-        sums[i, 0] = weighted_mse_channels(pred, truth, tile).double().sum(0)
+        mse = weighted_mse_channels(pred, truth, weights, tile)  # (B, L+1, R, C)
+        sums[i, 0] = mse.double().sum(0).transpose(0, 1)
         if FORECASTS[i] != "climatology":  # zero anomaly: ACC is 0 by definition
-            acc = weighted_acc_channels(pred.reshape(B * L1, *pred.shape[2:]),
-                                        truth.reshape(B * L1, *truth.shape[2:]), climatology,
-                                        tile)
-            sums[i, 1] = acc.view(B, L1, -1).double().sum(0)
+            acc = weighted_acc_channels(flat(pred), flat(truth), flat(clim), weights, tile)
+            sums[i, 1] = acc.view(B, L1, *acc.shape[1:]).double().sum(0).transpose(0, 1)
     return sums
 
 
 @dataclass
 class Skill:
-    """Scores of every forecast, lead and channel; arrays are (3 forecasts, L+1, C)."""
+    """Scores of every forecast, region, lead and channel; arrays are (4 forecasts,
+    R regions, L+1, C)."""
 
     lead_hours: list[int]
     channels: list[str]
     rmse: np.ndarray  # physical units
     acc: np.ndarray
     n_initial_conditions: int
+    regions: list[str]
+    climatology: str = "seasonal and diurnal harmonics"
 
     def index(self, channel: str) -> int:
         return self.channels.index(channel)
 
-    def series(self, metric: str, forecast: str, channel: str) -> np.ndarray:
-        """Scores by lead time of one forecast and channel, e.g. ('rmse', 'model', 'z500')."""
-        return getattr(self, metric)[FORECASTS.index(forecast), :, self.index(channel)]
+    def series(self, metric: str, forecast: str, channel: str, region: str = "global"
+               ) -> np.ndarray:
+        """Scores by lead time of one forecast, channel and region, e.g. ('rmse', 'model',
+        'z500')."""
+        return getattr(self, metric)[FORECASTS.index(forecast), self.regions.index(region),
+                                     :, self.index(channel)]
 
 
 def skill_from_sums(sums: torch.Tensor, count: int, stds: Sequence[float],
-                    lead_hours: Sequence[int], channels: Sequence[str]) -> Skill:
+                    lead_hours: Sequence[int], channels: Sequence[str],
+                    regions: Sequence[str], climatology: str = Skill.climatology) -> Skill:
     """Divide the (all-reduced) sums of `forecast_sums` by the number of initial conditions."""
     s = sums.detach().cpu().double().numpy() / count
-    stds = np.asarray(stds, dtype=np.float64).reshape(1, 1, -1)
+    stds = np.asarray(stds, dtype=np.float64).reshape(1, 1, 1, -1)
     return Skill(lead_hours=list(lead_hours), channels=list(channels),
-                 rmse=np.sqrt(s[:, 0]) * stds, acc=s[:, 1], n_initial_conditions=count)
+                 rmse=np.sqrt(s[:, 0]) * stds, acc=s[:, 1], n_initial_conditions=count,
+                 regions=list(regions), climatology=climatology)
 
 
 # ------------------------------------------------------------------ where skill runs out
@@ -169,18 +187,21 @@ def table_leads(n_leads: int, steps_per_day: int = 4) -> list[int]:
     return sorted({k for k in picks if 1 <= k < n_leads})
 
 
-def format_table(skill: Skill, channel: str, leads: Sequence[int] | None = None) -> list[str]:
-    """A markdown table of one channel: RMSE and ACC of model and baselines by lead."""
+def format_table(skill: Skill, channel_name: str, leads: Sequence[int] | None = None,
+                 region: str = "global") -> list[str]:
+    """A markdown table of one channel and region: RMSE and ACC of model and baselines by
+    lead."""
     leads = table_leads(len(skill.lead_hours)) if leads is None else leads
-    unit = channel_units(channel)
-    lines = [f"| {channel} lead | RMSE model | persistence | climatology [{unit}] "
-             "| ACC model | persistence |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    unit = channel_units(channel_name)
+    where = "" if region == "global" else f", {region}"
+    lines = [f"| {channel_name}{where} lead | RMSE model | persistence | climatology "
+             f"| time mean [{unit}] | ACC model | persistence |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for k in leads:
-        r = [skill.series("rmse", f, channel)[k] for f in FORECASTS]
-        a = [skill.series("acc", f, channel)[k] for f in FORECASTS[:2]]
+        r = [skill.series("rmse", f, channel_name, region)[k] for f in FORECASTS]
+        a = [skill.series("acc", f, channel_name, region)[k] for f in FORECASTS[:2]]
         lines.append(f"| {skill.lead_hours[k]} h | {_num(r[0])} | {_num(r[1])} | {_num(r[2])} "
-                     f"| {a[0]:.3f} | {a[1]:.3f} |")
+                     f"| {_num(r[3])} | {a[0]:.3f} | {a[1]:.3f} |")
     return lines
 
 
@@ -189,34 +210,55 @@ def _num(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
 
 
-CSV_COLUMNS = ("channel", "units", "lead_step", "lead_hours") + tuple(
-    f"{m}_{f}" for m in ("rmse", "acc") for f in FORECASTS)
+def wb2_name(name: str) -> tuple[str, str]:
+    """(WeatherBench-2 variable name, level in hPa or '') of a channel."""
+    c = channel_info(name)
+    if c is None:
+        return name, ""
+    return c.variable, "" if c.level is None else str(c.level)
+
+
+METRICS = ("rmse", "acc")
+CSV_COLUMNS = ("region", "channel", "variable", "level", "units", "lead_step",
+               "lead_hours") + tuple(f"{m}_{f}" for m in METRICS for f in FORECASTS)
 
 
 def write_csv(skill: Skill, path: str) -> None:
-    """One row per (channel, lead): RMSE and ACC of model, persistence and climatology."""
+    """One row per (region, channel, lead): RMSE and ACC of the model and every baseline;
+    `variable` and `level` name the channel as WeatherBench-2 does."""
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(CSV_COLUMNS)
-        for c, name in enumerate(skill.channels):
-            for k, hours in enumerate(skill.lead_hours):
-                scores = [float(getattr(skill, m)[i, k, c]) for m in ("rmse", "acc")
-                          for i in range(len(FORECASTS))]
-                out.writerow([name, channel_units(name), k, hours]
-                             + [f"{v:.9g}" for v in scores])
+        for r, region in enumerate(skill.regions):
+            for c, name in enumerate(skill.channels):
+                for k, hours in enumerate(skill.lead_hours):
+                    scores = [float(getattr(skill, m)[i, r, k, c]) for m in METRICS
+                              for i in range(len(FORECASTS))]
+                    out.writerow([region, name, *wb2_name(name), channel_units(name), k, hours]
+                                 + [f"{v:.9g}" for v in scores])
+
+
+def _scores(skill: Skill, r: int, c: int) -> dict[str, dict[str, list[float]]]:
+    return {m: {f: [float(v) for v in getattr(skill, m)[i, r, :, c]]
+                for i, f in enumerate(FORECASTS)} for m in METRICS}
 
 
 def skill_to_dict(skill: Skill, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Per channel: its names, the global scores and crossings at the top, and every
+    region's scores under "regions"."""
     channels = {}
     for c, name in enumerate(skill.channels):
+        variable, level = wb2_name(name)
         channels[name] = {
-            "units": channel_units(name),
-            **{m: {f: [float(v) for v in getattr(skill, m)[i, :, c]]
-                   for i, f in enumerate(FORECASTS)} for m in ("rmse", "acc")},
+            "units": channel_units(name), "variable": variable,
+            "level": int(level) if level else None,
+            **_scores(skill, skill.regions.index("global"), c),
             "crossings": crossings(skill, name),
+            "regions": {region: _scores(skill, r, c) for r, region in enumerate(skill.regions)},
         }
     return {**metadata, "n_initial_conditions": skill.n_initial_conditions,
             "lead_hours": list(skill.lead_hours), "useful_acc": USEFUL_ACC,
+            "regions": list(skill.regions), "climatology": skill.climatology,
             "channels": channels}
 
 
@@ -229,8 +271,10 @@ def read_json(path: str) -> Skill:
     """A Skill back from `write_json`'s file (to compare runs or re-plot)."""
     with open(path) as f:
         data = json.load(f)
-    names = list(data["channels"])
-    arrays = {m: np.stack([np.array([data["channels"][n][m][f] for n in names]).T
-                           for f in FORECASTS]) for m in ("rmse", "acc")}
+    names, regions = list(data["channels"]), data["regions"]
+    arrays = {m: np.array([[[data["channels"][n]["regions"][r][m][f] for n in names]
+                            for r in regions] for f in FORECASTS]).transpose(0, 1, 3, 2)
+              for m in METRICS}
     return Skill(lead_hours=data["lead_hours"], channels=names, rmse=arrays["rmse"],
-                 acc=arrays["acc"], n_initial_conditions=data["n_initial_conditions"])
+                 acc=arrays["acc"], n_initial_conditions=data["n_initial_conditions"],
+                 regions=regions, climatology=data["climatology"])

@@ -1,42 +1,39 @@
-"""How a forecast is scored: the training loss, latitude-weighted RMSE and anomaly
-correlation (ACC) per channel, and `validate` over a data-parallel validation set.
+"""How a forecast is scored: the training loss, latitude-weighted MSE/RMSE and anomaly
+correlation (ACC) per channel (and region), and `validate` over a data-parallel
+validation set.
 
-Rows run from +90 (north) to -90 degrees; a row's weight is cos(latitude) normalised to
-mean 1, so polar rows (which cover little area) count little.
+Rows are weighted by the area of their cells on the sphere, computed from the latitudes
+the data records (evaluation/regions.py: WeatherBench-2's weights, mean 1). With several
+regions the weights are an (R, H) tensor, one row per region, and the scores gain a region
+axis before the channel axis.
+
+RMSE is WeatherBench-2's: the square root is taken after the latitude-weighted mean over
+the grid and after the mean over samples (initial conditions), never per sample:
+    RMSE = sqrt(mean over samples of weighted_mse_channels)
+`validate` (training-time) and inference.py (forecast skill) both report this one.
 
 Every score is a ratio of sums over the grid. Given a `Tile` (spatial parallelism: this
 rank holds a block of the grid's rows and columns) the sums run over the tile with the
-weights of its own latitudes, one all-reduce over the "h-w" ranks completes them, and every
+weights of its own rows, one all-reduce over the "h-w" ranks completes them, and every
 rank of the mesh gets the score of the whole grid. Without one, the fields are the whole grid.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from distributed import comm
 from distributed.layout import Layout
+from evaluation.regions import weights_tensor
 from networks.loss import l2_loss
 from utils.config_schema import Config
-from utils.data.dataset import load_stats, load_stds
+from utils.data.dataset import load_stats, load_stds, score_grid
 from utils.errors import DataError
 from utils.precision import Precision
 from utils.tile import Tile
-
-
-def latitudes(num_lat: int) -> torch.Tensor:
-    """Latitude in degrees of each row, +90 .. -90."""
-    return torch.linspace(90.0, -90.0, num_lat, dtype=torch.float64)
-
-
-@functools.lru_cache(maxsize=16)
-def latitude_weights(num_lat: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(num_lat, 1) weights, cos(lat) / mean(cos(lat)); made once per grid and device."""
-    w = torch.cos(torch.deg2rad(latitudes(num_lat)))
-    return (w / w.mean()).to(device=device, dtype=torch.float32).unsqueeze(1)
 
 
 def _tile_of(x: torch.Tensor, tile: Tile | None) -> Tile:
@@ -48,40 +45,50 @@ def _over_grid(sums: torch.Tensor, tile: Tile) -> torch.Tensor:
     return sums if tile.is_whole else comm.sum_over(sums, "h-w")
 
 
-def _tile_weights(tile: Tile, device: torch.device) -> torch.Tensor:
-    """(rows, 1) latitude weights of the global grid at the tile's rows."""
-    return latitude_weights(tile.grid[0], device)[tile.rows]
+def _weighted_sums(x: torch.Tensor, weights: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """(..., C, rows, cols) -> sums of weights x x over the tile: (..., R, C) for (R, H)
+    weights of the whole grid's rows, (..., C) for (H,) weights."""
+    w = weights[..., tile.rows].to(x.device)
+    by_row = x.sum(dim=-1)  # weights vary by row only: sum the columns first
+    # Elementwise products and sums, not a matmul: each sample's sum is then the same
+    # whatever the batch (a matmul's blocking depends on it), so scores summed over batches
+    # and ranks do not depend on how the samples were split.
+    if w.dim() == 1:
+        return (by_row * w).sum(dim=-1)
+    return (by_row.unsqueeze(-3) * w.unsqueeze(-2)).sum(dim=-1)
 
 
-def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor,
+def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
                           tile: Tile | None = None) -> torch.Tensor:
-    """(..., C, H, W) -> (..., C): the latitude-weighted mean squared error (of the whole
-    grid, also when the fields are a `tile` of it)."""
+    """(..., C, H, W) -> (..., C) for (H,) `weights`, (..., R, C) for (R, H): the
+    latitude-weighted mean squared error of the whole grid, also when the fields are a
+    `tile` of it. `weights` are the whole grid's (evaluation/regions.py)."""
     tile = _tile_of(pred, tile)
-    w = _tile_weights(tile, pred.device)
-    sq = torch.sum(w * (pred.float() - target.float()) ** 2, dim=(-1, -2))
+    sq = _weighted_sums((pred.float() - target.float()) ** 2, weights, tile)
     return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor,
+def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
                            tile: Tile | None = None) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C): sqrt of `weighted_mse_channels`."""
-    return torch.sqrt(weighted_mse_channels(pred, target, tile))
+    """sqrt of `weighted_mse_channels`: the RMSE of each sample (average MSEs, not these,
+    over samples: module docstring)."""
+    return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
-                          climatology: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C): weighted correlation of anomalies w.r.t. the climatology
-    (given on the same grid or tile as the fields)."""
+                          climatology: torch.Tensor, weights: torch.Tensor,
+                          tile: Tile | None = None) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C) or (B, R, C): weighted correlation of anomalies w.r.t. the
+    climatology (given on the same grid or tile as the fields); 0 where the forecast's
+    anomaly is zero everywhere (a correlation with nothing: the climatology itself)."""
     tile = _tile_of(pred, tile)
-    w = _tile_weights(tile, pred.device)
     a_p = pred.float() - climatology
     a_t = target.float() - climatology
-    sums = torch.stack([torch.sum(w * a_p * a_t, dim=(-1, -2)),
-                        torch.sum(w * a_p**2, dim=(-1, -2)),
-                        torch.sum(w * a_t**2, dim=(-1, -2))])
+    sums = torch.stack([_weighted_sums(a_p * a_t, weights, tile),
+                        _weighted_sums(a_p**2, weights, tile),
+                        _weighted_sums(a_t**2, weights, tile)])
     num, pp, tt = _over_grid(sums, tile)
-    return num / torch.sqrt(pp * tt)
+    return torch.where(pp == 0, torch.zeros_like(num), num / torch.sqrt(pp * tt))
 
 
 @torch.no_grad()
@@ -106,8 +113,10 @@ def whole_field(x: torch.Tensor, tile: Tile | None) -> torch.Tensor:
 
 
 class Normaliser:
-    """Per-channel global statistics, to report errors in physical units, and the
-    normalised climatology that ACC measures anomalies against."""
+    """Per-channel global statistics, to report errors in physical units; the normalised
+    time-mean climatology that training-time ACC measures anomalies against; and the grid
+    the config scores (`grid`, cropped to img_size) with its region weights (`regions`,
+    `weights` (R, H))."""
 
     def __init__(self, cfg: Config, device: torch.device):
         C = cfg.n_out_channels
@@ -116,12 +125,15 @@ class Normaliser:
         self.means = torch.from_numpy(
             load_stats(cfg.global_means_path, C, "global means")).to(device)
         self.stds = torch.from_numpy(load_stds(cfg.global_stds_path, C)).to(device)
+        self.grid = score_grid(cfg)  # img_size larger than the data: DataError
         clim = load_stats(cfg.time_means_path, C, "time means")
         if clim.shape[2] < H or clim.shape[3] < W:
             raise DataError(f"time means {cfg.time_means_path} are {clim.shape[2]}x"
                             f"{clim.shape[3]}, smaller than img_size {H}x{W}")
+        self.time_mean = np.ascontiguousarray(clim[0, :, :H, :W])  # physical units
         clim = torch.from_numpy(clim[:, :, :H, :W]).to(device)
         self.climatology = (clim - self.means) / self.stds  # normalised, for ACC
+        self.regions, self.weights = weights_tensor(self.grid, device)
 
     def channel(self, c: int) -> tuple[float, float]:
         """(mean, std) of channel `c`, to turn a normalised field back into units."""
@@ -131,18 +143,20 @@ class Normaliser:
 @torch.no_grad()
 def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Precision,
              norm: Normaliser, max_batches: int | None = None) -> dict[str, Any]:
-    """Loss, latitude-weighted RMSE(u10m) in m/s, persistence RMSE and ACC over the
-    validation set, summed over the data-parallel ranks and averaged. On a spatial mesh the
-    loader and the model hold this rank's tile of every field (the layout's), and the
-    scores are those of the whole grid (collectives over "h-w": every rank of the mesh
-    calls this)."""
+    """Loss, latitude-weighted RMSE(u10m) in m/s (WeatherBench-2's: the root of the mean
+    over samples of the global weighted MSE, as inference.py reports it), persistence RMSE
+    and ACC (anomalies against the time mean) over the validation set, summed over the
+    data-parallel ranks and averaged. On a spatial mesh the loader and the model hold this
+    rank's tile of every field (the layout's), and the scores are those of the whole grid
+    (collectives over "h-w": every rank of the mesh calls this)."""
     model.eval()
     tile, device = layout.tile, layout.device
     climatology = norm.climatology[..., tile.rows, tile.cols]
-    # [loss x samples, rmse_u10, persistence_u10, acc_u10, acc_t2m], summed over samples
+    weights = norm.weights[0]  # global
+    # [loss x samples, mse_u10, persistence mse_u10, acc_u10, acc_t2m], summed over samples
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     samples, first = 0, None
-    std = norm.stds[0, :, 0, 0]
+    var_u10 = norm.stds[0, 0, 0, 0].double() ** 2
     for i, (inp, tar) in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -150,18 +164,20 @@ def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Pre
         with precision.autocast():
             gen = model(inp)
         gen = gen.float()
-        rmse = weighted_rmse_channels(gen, tar, tile) * std
-        persist = weighted_rmse_channels(inp, tar, tile) * std
-        skill = weighted_acc_channels(gen, tar, climatology, tile)
-        sums += torch.stack([relative_l2(gen, tar, tile) * inp.shape[0], rmse[:, 0].sum(),
-                             persist[:, 0].sum(), skill[:, 0].sum(), skill[:, 2].sum()]).double()
+        mse = weighted_mse_channels(gen[:, :1], tar[:, :1], weights, tile)
+        persist = weighted_mse_channels(inp[:, :1], tar[:, :1], weights, tile)
+        skill = weighted_acc_channels(gen[:, :3:2], tar[:, :3:2], climatology[:, :3:2],
+                                      weights, tile)
+        sums += torch.stack([relative_l2(gen, tar, tile) * inp.shape[0], mse.sum(),
+                             persist.sum(), skill[:, 0].sum(), skill[:, 1].sum()]).double()
         samples += inp.shape[0]
         if first is None:  # t2m of the first sample: input, target, forecast, whole grid
             maps = whole_field(torch.stack([inp[0, 2], tar[0, 2], gen[0, 2]]), tile)
             first = tuple(m.cpu().numpy() for m in maps)
-    totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp").tolist()
-    n = max(totals[5], 1.0)
+    totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp")
+    n = max(totals[5].item(), 1.0)
+    rmse = torch.sqrt(totals[1:3] / n * var_u10).tolist()
     model.train()
-    return {"loss": totals[0] / n, "rmse_u10m": totals[1] / n,
-            "persistence_rmse_u10m": totals[2] / n, "acc_u10m": totals[3] / n,
-            "acc_t2m": totals[4] / n, "samples": n, "example_t2m": first}
+    return {"loss": totals[0].item() / n, "rmse_u10m": rmse[0],
+            "persistence_rmse_u10m": rmse[1], "acc_u10m": totals[3].item() / n,
+            "acc_t2m": totals[4].item() / n, "samples": n, "example_t2m": first}

@@ -510,19 +510,30 @@ def assert_same_training(run: TrainRun, ref: TrainRun, world_size: int,
 
 # ----------------------------------------------------------------- forecast scores by hand
 
-def lat_weights(h: int) -> list[float]:
-    """cos(latitude) of rows from +90 to -90 degrees, normalised to mean 1."""
-    cosines = [math.cos(math.radians(90.0 - 180.0 * i / (h - 1))) for i in range(h)]
-    mean = sum(cosines) / h
-    return [c / mean for c in cosines]
+def lat_weights(latitudes: Sequence[float]) -> list[float]:
+    """WeatherBench-2's weights of rows at `latitudes` (degrees, any order), written out: a
+    row's cell reaches halfway to its neighbours (to the pole for the first and last row),
+    its weight is the cell's area, sin(upper) - sin(lower), over the mean of all rows'."""
+    order = sorted(range(len(latitudes)), key=lambda i: latitudes[i])
+    lat = [math.radians(latitudes[i]) for i in order]
+    bounds = ([-math.pi / 2] + [(lat[k] + lat[k + 1]) / 2 for k in range(len(lat) - 1)]
+              + [math.pi / 2])
+    areas = [0.0] * len(lat)
+    for k, i in enumerate(order):
+        areas[i] = math.sin(bounds[k + 1]) - math.sin(bounds[k])
+    mean = sum(areas) / len(areas)
+    return [a / mean for a in areas]
 
 
-def reference_scores(pred: np.ndarray, truth: np.ndarray, clim: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def reference_scores(pred: np.ndarray, truth: np.ndarray, clim: np.ndarray,
+                     latitudes: Sequence[float] | None = None,
+                     weights: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """RMSE (sqrt of the mean over ICs of the weighted MSE) and mean ACC, (L+1, C), by loops.
-    pred, truth: (B, L+1, C, H, W) physical; clim: (C, H, W) physical."""
+    pred, truth: (B, L+1, C, H, W) physical; clim: (C, H, W) or (B, L+1, C, H, W) physical;
+    the rows' `latitudes` (WeatherBench-2's weights of that grid), or their `weights`."""
+    clim = np.broadcast_to(clim, truth.shape)
     n, leads, channels, h, w = truth.shape
-    wts = lat_weights(h)
+    wts = list(weights) if weights is not None else lat_weights(latitudes)
     rmse, acc = np.zeros((leads, channels)), np.zeros((leads, channels))
     for k in range(leads):
         for c in range(channels):
@@ -532,12 +543,12 @@ def reference_scores(pred: np.ndarray, truth: np.ndarray, clim: np.ndarray
                 for i in range(h):
                     for j in range(w):
                         p, t, m = (float(pred[b, k, c, i, j]), float(truth[b, k, c, i, j]),
-                                   float(clim[c, i, j]))
+                                   float(clim[b, k, c, i, j]))
                         se += wts[i] * (p - t) ** 2
                         num += wts[i] * (p - m) * (t - m)
                         pp += wts[i] * (p - m) ** 2
                         tt += wts[i] * (t - m) ** 2
-                mse_sum += se / (h * w)
+                mse_sum += se / (sum(wts) * w)
                 acc_sum += num / math.sqrt(pp * tt) if pp > 0 else 0.0
             rmse[k, c] = math.sqrt(mse_sum / n)
             acc[k, c] = acc_sum / n

@@ -1,20 +1,24 @@
 """evaluation/forecast_skill.py and evaluation/rollout.py against independent computations.
 
 The reference scores below are plain Python loops over initial conditions, leads, channels
-and grid points, in float64, on de-normalised (physical) fields: no torch, no vectorised
+and grid points, in float64, on de-normalised (physical) fields, with WeatherBench-2's
+latitude weights written out (helpers.reference_scores): no torch, no vectorised
 reductions. The torch code works in fp32 on normalised fields; on O(1) random data the two
 agree to rtol 1e-5 (fp32 sums of a few hundred terms).
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from helpers import reference_scores, run_distributed
+from helpers import lat_weights, reference_scores, run_distributed
 
 from evaluation.forecast_skill import (
     CSV_COLUMNS,
+    FORECASTS,
     Skill,
     bad_leads_before,
     crossing_lead,
@@ -28,25 +32,32 @@ from evaluation.forecast_skill import (
     write_csv,
     write_json,
 )
+from evaluation.regions import region_weights
 from evaluation.rollout import rollout
+from utils.data.grid import tutorial_grid
 
 B, L, C, H, W = 5, 4, 3, 7, 10  # odd H: one row on the equator
 NAMES = ["u10", "t2m", "z500"]
 MEANS = np.array([1.0, 280.0, 5.5e4])
 STDS = np.array([5.0, 20.0, 3.0e3])
 RTOL = 1e-5
+GRID = tutorial_grid(H, W)  # rows at 90, 60, ..., -90: every region has rows
+REGIONS, WEIGHTS = region_weights(GRID)
+LAT = list(GRID.latitude)
 
 
 @pytest.fixture(scope="module")
 def rollout_data():
-    """Normalised truth, a model forecast that drifts away from it, and a climatology."""
+    """Normalised truth, a model forecast that drifts away from it, a climatology that
+    changes with the valid time and a time mean."""
     rng = np.random.default_rng(0)
     truth = rng.standard_normal((B, L + 1, C, H, W)).astype(np.float32)
     noise = rng.standard_normal((B, L + 1, C, H, W)).astype(np.float32)
     drift = np.arange(L + 1, dtype=np.float32)[None, :, None, None, None] * 0.3
     forecast = truth + drift * noise  # lead 0: the initial state itself
-    clim = (0.3 * rng.standard_normal((1, C, H, W))).astype(np.float32)
-    return truth, forecast, clim
+    clim = (0.3 * rng.standard_normal((B, L + 1, C, H, W))).astype(np.float32)
+    time_mean = (0.2 * rng.standard_normal((1, 1, C, H, W))).astype(np.float32)
+    return truth, forecast, clim, time_mean
 
 
 def physical(x: np.ndarray) -> np.ndarray:
@@ -54,57 +65,90 @@ def physical(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) * STDS[:, None, None] + MEANS[:, None, None]
 
 
-def torch_skill(forecast: np.ndarray, truth: np.ndarray, clim: np.ndarray) -> Skill:
-    sums = forecast_sums(torch.from_numpy(forecast), torch.from_numpy(truth),
-                         torch.from_numpy(clim))
-    assert sums.shape == (3, 2, L + 1, C) and sums.dtype == torch.float64
-    return skill_from_sums(sums, B, STDS, [6 * k for k in range(L + 1)], NAMES)
+def sums_of(forecast, truth, clim, time_mean, part=slice(None)) -> torch.Tensor:
+    return forecast_sums(*(torch.from_numpy(np.ascontiguousarray(x[part]))
+                           for x in (forecast, truth, clim)), torch.from_numpy(time_mean),
+                         torch.from_numpy(WEIGHTS).float())
+
+
+def torch_skill(forecast: np.ndarray, truth: np.ndarray, clim: np.ndarray,
+                time_mean: np.ndarray) -> Skill:
+    sums = sums_of(forecast, truth, clim, time_mean)
+    assert sums.shape == (4, 2, len(REGIONS), L + 1, C) and sums.dtype == torch.float64
+    return skill_from_sums(sums, B, STDS, [6 * k for k in range(L + 1)], NAMES, REGIONS)
+
+
+def reference(pred, truth, clim, region="global"):
+    """Loop scores of physical fields over the rows of `region` (every column), weighted by
+    the whole grid's cell areas (WeatherBench-2 restricts the global weights to a band)."""
+    rows = WEIGHTS[REGIONS.index(region)] > 0
+    weights = [w for w, r in zip(lat_weights(LAT), rows, strict=True) if r]
+    p, t, c = (physical(x)[..., rows, :] for x in (pred, truth, clim))
+    return reference_scores(p, t, c, weights=weights)
 
 
 def test_model_scores_match_a_loop_over_every_grid_point(rollout_data):
-    truth, forecast, clim = rollout_data
-    skill = torch_skill(forecast, truth, clim)
-    rmse, acc = reference_scores(physical(forecast), physical(truth), physical(clim[0]))
-    np.testing.assert_allclose(skill.rmse[0], rmse, rtol=RTOL)
-    np.testing.assert_allclose(skill.acc[0], acc, rtol=RTOL, atol=1e-6)
-    assert skill.rmse[0, 0].tolist() == [0.0] * C  # lead 0 is the initial state
-    np.testing.assert_allclose(skill.acc[0, 0], 1.0, atol=1e-6)
-    assert (np.diff(skill.rmse[0], axis=0) > 0).all()  # the drift grows with lead
+    truth, forecast, clim, time_mean = rollout_data
+    skill = torch_skill(forecast, truth, clim, time_mean)
+    rmse, acc = reference(forecast, truth, clim)
+    np.testing.assert_allclose(skill.rmse[0, 0], rmse, rtol=RTOL)
+    np.testing.assert_allclose(skill.acc[0, 0], acc, rtol=RTOL, atol=1e-6)
+    assert skill.rmse[0, 0, 0].tolist() == [0.0] * C  # lead 0 is the initial state
+    np.testing.assert_allclose(skill.acc[0, 0, 0], 1.0, atol=1e-6)
+    assert (np.diff(skill.rmse[0, 0], axis=0) > 0).all()  # the drift grows with lead
+
+
+@pytest.mark.parametrize("region", ["northern-hemisphere", "tropics", "southern-hemisphere"])
+def test_regional_scores_match_a_loop_over_the_regions_grid_points(rollout_data, region):
+    truth, forecast, clim, time_mean = rollout_data
+    skill = torch_skill(forecast, truth, clim, time_mean)
+    r = REGIONS.index(region)
+    rmse, acc = reference(forecast, truth, clim, region)
+    np.testing.assert_allclose(skill.rmse[0, r], rmse, rtol=RTOL)
+    np.testing.assert_allclose(skill.acc[0, r], acc, rtol=RTOL, atol=1e-6)
+    np.testing.assert_array_equal(skill.series("rmse", "model", "t2m", region),
+                                  skill.rmse[0, r, :, 1])
 
 
 def test_persistence_is_the_initial_state_at_every_lead(rollout_data):
-    truth, _, clim = rollout_data
+    truth, _, clim, time_mean = rollout_data
     persistence = np.repeat(truth[:, :1], L + 1, axis=1)
-    skill = torch_skill(truth, truth, clim)  # any model forecast: the baselines do not use it
-    rmse, acc = reference_scores(physical(persistence), physical(truth), physical(clim[0]))
-    np.testing.assert_allclose(skill.rmse[1], rmse, rtol=RTOL)
-    np.testing.assert_allclose(skill.acc[1], acc, rtol=RTOL, atol=1e-6)
+    skill = torch_skill(truth, truth, clim, time_mean)  # the baselines do not use the model
+    rmse, acc = reference(persistence, truth, clim)
+    np.testing.assert_allclose(skill.rmse[1, 0], rmse, rtol=RTOL)
+    np.testing.assert_allclose(skill.acc[1, 0], acc, rtol=RTOL, atol=1e-6)
     # A model that forecasts "no change" scores exactly like persistence.
-    same = torch_skill(persistence, truth, clim)
+    same = torch_skill(persistence, truth, clim, time_mean)
     assert np.array_equal(same.rmse[0], same.rmse[1]) and np.array_equal(same.acc[0], same.acc[1])
 
 
-def test_climatology_is_time_means_at_every_lead_and_its_acc_is_zero(rollout_data):
-    truth, _, clim = rollout_data
-    climatology = np.broadcast_to(clim[:, None], truth.shape)
-    skill = torch_skill(truth, truth, clim)
-    rmse, _ = reference_scores(physical(climatology), physical(truth), physical(clim[0]))
-    np.testing.assert_allclose(skill.rmse[2], rmse, rtol=RTOL)
-    assert skill.acc[2].tolist() == [[0.0] * C] * (L + 1)
-    same = torch_skill(np.ascontiguousarray(climatology), truth, clim)
+def test_climatology_is_the_one_of_each_valid_time_and_its_acc_is_zero(rollout_data):
+    truth, _, clim, time_mean = rollout_data
+    skill = torch_skill(truth, truth, clim, time_mean)
+    rmse, _ = reference(clim, truth, clim)
+    np.testing.assert_allclose(skill.rmse[2, 0], rmse, rtol=RTOL)
+    assert skill.acc[2].tolist() == [[[0.0] * C] * (L + 1)] * len(REGIONS)
+    same = torch_skill(clim, truth, clim, time_mean)
     assert np.array_equal(same.rmse[0], same.rmse[2])
 
 
+def test_time_mean_is_one_field_at_every_lead_scored_against_the_climatology(rollout_data):
+    truth, _, clim, time_mean = rollout_data
+    skill = torch_skill(truth, truth, clim, time_mean)
+    as_forecast = np.broadcast_to(time_mean, truth.shape)
+    rmse, acc = reference(as_forecast, truth, clim)
+    np.testing.assert_allclose(skill.rmse[3, 0], rmse, rtol=RTOL)
+    np.testing.assert_allclose(skill.acc[3, 0], acc, rtol=RTOL, atol=1e-6)
+
+
 def test_sums_of_chunks_add_up_to_the_scores_of_the_whole(rollout_data):
-    truth, forecast, clim = rollout_data
-    parts = [forecast_sums(torch.from_numpy(forecast[s]), torch.from_numpy(truth[s]),
-                           torch.from_numpy(clim)) for s in (slice(0, 2), slice(2, B))]
-    whole = forecast_sums(torch.from_numpy(forecast), torch.from_numpy(truth),
-                          torch.from_numpy(clim))
+    truth, forecast, clim, time_mean = rollout_data
+    parts = [sums_of(forecast, truth, clim, time_mean, s) for s in (slice(0, 2), slice(2, B))]
+    whole = sums_of(forecast, truth, clim, time_mean)
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-12)
 
 
-def _data_parallel_scores(truth, forecast, clim):
+def _data_parallel_scores(truth, forecast, clim, time_mean):
     """On each rank: this dp rank's chunk of the initial conditions (inference.py's split),
     its sums, all-reduced over dp."""
     import inference
@@ -113,19 +157,18 @@ def _data_parallel_scores(truth, forecast, clim):
     comm.init()
     ics = list(range(B))
     mine = inference.my_initial_conditions(ics)
-    sums = forecast_sums(torch.from_numpy(forecast[mine]), torch.from_numpy(truth[mine]),
-                         torch.from_numpy(clim))
+    sums = sums_of(forecast, truth, clim, time_mean, mine)
     comm.sum_over(sums, "dp")
-    return mine, skill_from_sums(sums, B, STDS, list(range(L + 1)), NAMES).rmse
+    return mine, skill_from_sums(sums, B, STDS, list(range(L + 1)), NAMES, REGIONS).rmse
 
 
 @pytest.mark.distributed
 def test_data_parallel_ranks_split_the_initial_conditions_and_reduce_to_the_serial_scores(
         rollout_data):
-    truth, forecast, clim = rollout_data
-    results = run_distributed(_data_parallel_scores, 2, truth, forecast, clim)
+    results = run_distributed(_data_parallel_scores, 2, *rollout_data)
     assert [r[0] for r in results] == [[0, 1, 2], [3, 4]]  # contiguous, bigger chunk first
-    serial = torch_skill(forecast, truth, clim).rmse
+    truth, forecast, clim, time_mean = rollout_data
+    serial = torch_skill(forecast, truth, clim, time_mean).rmse
     for _, rmse in results:
         np.testing.assert_allclose(rmse, serial, rtol=1e-12)
 
@@ -163,10 +206,11 @@ def test_a_nan_forecast_counts_as_bad_from_its_lead():
 
 
 def skill_from_series(model_rmse, persistence_rmse, climatology_rmse, model_acc) -> Skill:
-    rmse = np.array([model_rmse, persistence_rmse, climatology_rmse], dtype=float)[:, :, None]
+    rmse = np.array([model_rmse, persistence_rmse, climatology_rmse, climatology_rmse],
+                    dtype=float)[:, None, :, None]
     acc = np.zeros_like(rmse)
-    acc[0, :, 0] = model_acc
-    return Skill(HOURS, ["z500"], rmse, acc, n_initial_conditions=3)
+    acc[0, 0, :, 0] = model_acc
+    return Skill(HOURS, ["z500"], rmse, acc, n_initial_conditions=3, regions=["global"])
 
 
 def test_crossings_of_a_skill_against_both_baselines_and_the_useful_acc():
@@ -189,23 +233,33 @@ def test_a_skilful_forecast_is_described_as_never_crossing():
 
 
 # ------------------------------------------------------------------ reports
-def test_csv_and_json_hold_every_channel_and_lead(rollout_data, tmp_path):
-    truth, forecast, clim = rollout_data
-    skill = torch_skill(forecast, truth, clim)
+def test_csv_and_json_hold_every_region_channel_and_lead(rollout_data, tmp_path):
+    truth, forecast, clim, time_mean = rollout_data
+    skill = torch_skill(forecast, truth, clim, time_mean)
     write_csv(skill, tmp_path / "skill.csv")
     rows = (tmp_path / "skill.csv").read_text().splitlines()
     assert rows[0].split(",") == list(CSV_COLUMNS)
-    assert len(rows) == 1 + C * (L + 1)
-    name, units, step, hours, *scores = rows[1 + L + 1 + 3].split(",")  # t2m, lead 3
-    assert (name, units, step, hours) == ("t2m", "K", "3", "18")
-    expected = [getattr(skill, m)[f, 3, 1] for m in ("rmse", "acc") for f in range(3)]
+    assert len(rows) == 1 + len(REGIONS) * C * (L + 1)
+    row = 1 + 2 * C * (L + 1) + 2 * (L + 1) + 3  # tropics, z500, lead 3
+    region, name, variable, level, units, step, hours, *scores = rows[row].split(",")
+    assert (region, name, variable, level, units, step, hours) == (
+        "tropics", "z500", "geopotential", "500", "m2/s2", "3", "18")
+    expected = [getattr(skill, m)[f, 2, 3, 2] for m in ("rmse", "acc") for f in range(4)]
     np.testing.assert_allclose([float(s) for s in scores], expected, rtol=1e-8)
+    assert rows[1].split(",")[:4] == ["global", "u10", "10m_u_component_of_wind", ""]
 
     write_json(skill, tmp_path / "skill.json", {"config": "test"})
+    data = json.loads((tmp_path / "skill.json").read_text())
+    assert data["regions"] == REGIONS and data["channels"]["t2m"]["variable"] == "2m_temperature"
+    assert data["channels"]["z500"]["level"] == 500
+    assert data["channels"]["z500"]["rmse"]["model"] == \
+        data["channels"]["z500"]["regions"]["global"]["rmse"]["model"]
     back = read_json(tmp_path / "skill.json")
     assert back.channels == NAMES and back.lead_hours == skill.lead_hours
+    assert back.regions == REGIONS and back.climatology == skill.climatology
     np.testing.assert_array_equal(back.rmse, skill.rmse)
     np.testing.assert_array_equal(back.acc, skill.acc)
+    assert list(FORECASTS) == ["model", "persistence", "climatology", "time_mean"]
 
 
 def test_the_table_shows_the_first_step_then_every_day():
@@ -215,8 +269,7 @@ def test_the_table_shows_the_first_step_then_every_day():
 
 
 def test_the_table_has_one_row_per_lead_with_the_units(rollout_data):
-    truth, forecast, clim = rollout_data
-    lines = format_table(torch_skill(forecast, truth, clim), "z500")
+    lines = format_table(torch_skill(*rollout_data[1::-1], *rollout_data[2:]), "z500")
     assert "[m2/s2]" in lines[0] and len(lines) == 2 + len(table_leads(L + 1))
     assert lines[2].startswith("| 6 h |")
 

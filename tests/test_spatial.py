@@ -15,6 +15,7 @@ from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
 
 from distributed import comm
 from distributed.spatial import gather_image, scatter_image, tile_bounds
+from evaluation.regions import region_weights
 from evaluation.scores import (
     relative_l2,
     weighted_acc_channels,
@@ -23,6 +24,7 @@ from evaluation.scores import (
 )
 from networks.loss import l2_loss as serial_l2_loss
 from utils.config import read_config
+from utils.data.grid import tutorial_grid
 from utils.tile import Tile
 
 RTOL = 1e-5  # of the serial value's largest entry
@@ -60,10 +62,13 @@ def _run(h: int, w: int) -> None:
     t = Tile(tuple(pred.shape[-2:]), rows, cols)
     assert_close_rel(relative_l2(tile(pred), tile(target), t), serial_l2_loss(pred, target),
            f"{where} validation loss", RTOL)
-    assert_close_rel(weighted_rmse_channels(tile(pred), tile(target), t),
-           weighted_rmse_channels(pred, target), f"{where} weighted RMSE", RTOL)
-    assert_close_rel(weighted_acc_channels(tile(pred), tile(target), tile(clim), t),
-           weighted_acc_channels(pred, target, clim), f"{where} weighted ACC", RTOL)
+    # Every region's weights of the whole grid; each rank scores its tile's rows of them.
+    _, weights = region_weights(tutorial_grid(*pred.shape[-2:]))
+    wts = torch.from_numpy(weights).float()
+    assert_close_rel(weighted_rmse_channels(tile(pred), tile(target), wts, t),
+           weighted_rmse_channels(pred, target, wts), f"{where} weighted RMSE", RTOL)
+    assert_close_rel(weighted_acc_channels(tile(pred), tile(target), tile(clim), wts, t),
+           weighted_acc_channels(pred, target, clim, wts), f"{where} weighted ACC", RTOL)
     assert torch.equal(whole_field(tile(pred), t), pred), f"{where} whole field"
 
 

@@ -1,0 +1,96 @@
+"""Rollouts written as a Zarr dataset in WeatherBench-2's forecast layout, so that its own
+evaluation (and anyone's xarray code) can read and score them.
+
+    time                  initial time (datetime64), one per initial condition
+    prediction_timedelta  lead time (timedelta64): 0 h (the initial state), 6 h, ...
+    level                 hPa, for the pressure-level variables: the union of the levels
+                          of the 20 channels (50, 500, 850, 1000); a level a variable does
+                          not have is NaN (e.g. temperature at 1000 hPa)
+    latitude              degrees north, ascending (as WeatherBench-2's evaluation wants
+                          it; the HDF5 files run north to south)
+    longitude             degrees east
+
+Variables carry WeatherBench-2's names (utils/data/era5_names.py: `geopotential`,
+`2m_temperature`, ...) in physical units (a `units` attribute each); geopotential is in
+m2/s2. Chunks hold one field of one initial condition and lead. The store is created once
+(`create_store`, world rank 0) and every writing rank fills its initial conditions'
+`time` slots (`write_forecasts`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from utils.data.era5_names import CHANNELS
+from utils.data.grid import Grid
+
+HOURS = np.timedelta64(1, "h")
+
+
+def _layout(channels: list[str]) -> tuple[dict[str, list[tuple[int, int | None]]], list[int]]:
+    """{variable: [(channel index, level or None)]} of the channels in the table, and the
+    sorted pressure levels."""
+    table = {c.name: c for c in CHANNELS}
+    variables: dict[str, list[tuple[int, int | None]]] = {}
+    for i, name in enumerate(channels):
+        if name in table:
+            c = table[name]
+            variables.setdefault(c.variable, []).append((i, c.level))
+    levels = sorted({lev for entries in variables.values() for _, lev in entries
+                     if lev is not None})
+    return variables, levels
+
+
+def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid: Grid,
+                 channels: list[str]) -> None:
+    """An empty store (metadata and coordinates) for len(init_hours) initial conditions."""
+    import dask.array as da
+    import xarray as xr
+
+    variables, levels = _layout(channels)
+    units = {c.variable: c.units for c in CHANNELS}
+    n, L1 = len(init_hours), len(lead_hours)
+    H, W = grid.shape
+    data = {}
+    for variable, entries in variables.items():
+        pressure = entries[0][1] is not None
+        dims = ("time", "prediction_timedelta") + (("level",) if pressure else ()) + (
+            "latitude", "longitude")
+        shape = (n, L1) + ((len(levels),) if pressure else ()) + (H, W)
+        chunks = (1, 1) + ((len(levels),) if pressure else ()) + (H, W)
+        data[variable] = xr.Variable(dims, da.full(shape, np.nan, dtype=np.float32,
+                                                   chunks=chunks), {"units": units[variable]})
+    coords = {
+        "time": np.datetime64("1970-01-01T00", "ns") + np.asarray(init_hours) * HOURS,
+        "prediction_timedelta": (np.asarray(lead_hours) * HOURS).astype("timedelta64[ns]"),
+        "latitude": ("latitude", grid.latitude[::-1].copy(), {"units": "degrees_north"}),
+        "longitude": ("longitude", grid.longitude.copy(), {"units": "degrees_east"}),
+    }
+    if levels:
+        coords["level"] = ("level", np.asarray(levels, dtype=np.int64), {"units": "hPa"})
+    ds = xr.Dataset(data, coords=coords, attrs={
+        "description": "forecasts in WeatherBench-2's layout: time = initial time"})
+    ds.to_zarr(path, mode="w", compute=False, zarr_format=2, consolidated=True)
+
+
+def write_forecasts(path: str, start: int, fields: np.ndarray, channels: list[str]) -> None:
+    """Fill initial conditions start .. start + B - 1 with `fields`, (B, L+1, C, H, W) in
+    physical units, rows north to south (as the data)."""
+    import xarray as xr
+
+    variables, levels = _layout(channels)
+    fields = fields[..., ::-1, :]  # latitude ascending
+    B, L1, _, H, W = fields.shape
+    data = {}
+    for variable, entries in variables.items():
+        if entries[0][1] is None:
+            (c, _), = entries
+            data[variable] = (("time", "prediction_timedelta", "latitude", "longitude"),
+                              np.ascontiguousarray(fields[:, :, c], dtype=np.float32))
+            continue
+        block = np.full((B, L1, len(levels), H, W), np.nan, dtype=np.float32)
+        for c, level in entries:
+            block[:, :, levels.index(level)] = fields[:, :, c]
+        data[variable] = (("time", "prediction_timedelta", "level", "latitude", "longitude"),
+                          block)
+    xr.Dataset(data).to_zarr(path, region={"time": slice(start, start + B)})

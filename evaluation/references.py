@@ -1,0 +1,93 @@
+"""What a rollout is scored against besides the truth, in the units the scores work in.
+
+The channels scored are the data's (normalised with the global means and stds) and, when
+the data set has its climatology (stats/climatology.npz, utils/data/climatology.py), the
+derived 10 m wind speed `ws10` that WeatherBench-2 reports, in m/s (scale 1). References:
+
+  - the climatology at each valid time (year fraction and hour of day of the sample), the
+    anomaly reference of ACC and the "climatology" baseline;
+  - the time mean (time_means.npy), the "time_mean" baseline.
+
+A data set without climatology.npz falls back to the time mean for both (logged once).
+Everything lives on this rank's tile of the grid (spatial parallelism) and on its device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from evaluation.scores import Normaliser
+from utils.config_schema import Config
+from utils.data.climatology import basis, load_climatology
+from utils.data.era5_names import WIND_COMPONENTS, WIND_SPEED
+from utils.tile import Tile
+
+log = logging.getLogger(__name__)
+
+
+class References:
+    """Scoring units, channels and references of a config's data (module docstring)."""
+
+    def __init__(self, cfg: Config, norm: Normaliser, channels: list[str], tile: Tile):
+        device = norm.means.device
+        rows, cols = tile.rows, tile.cols
+        C = len(channels)
+        clim = load_climatology(os.path.dirname(cfg.time_means_path), cfg.img_size)
+        derive = (clim is not None and WIND_SPEED.name in clim.channels
+                  and all(c in channels for c in WIND_COMPONENTS))
+        self.channels = [*channels, WIND_SPEED.name] if derive else list(channels)
+        self._wind = [channels.index(c) for c in WIND_COMPONENTS] if derive else []
+        scale = torch.ones(len(self.channels), dtype=torch.float64, device=device)
+        offset = torch.zeros_like(scale)
+        scale[:C], offset[:C] = norm.stds.flatten().double(), norm.means.flatten().double()
+        self.scale, self.offset = scale, offset  # physical = scored * scale + offset
+        self._mean_c = norm.means.flatten()
+        self._std_c = norm.stds.flatten()
+        time_mean = torch.from_numpy(norm.time_mean[:, rows, cols]).to(device)
+        if clim is None:
+            log.warning(f"{os.path.dirname(cfg.time_means_path)} has no climatology.npz: "
+                        "ACC and the climatology baseline use time_means (prepare the data "
+                        "again for the seasonal and diurnal climatology)")
+            self.kind = "time mean"
+            self._coefficients = None
+            self.time_mean = self._scored(time_mean)[None, None]
+            return
+        self.kind = "seasonal and diurnal harmonics"
+        pick = [clim.channels.index(c) for c in self.channels]
+        coef = torch.from_numpy(clim.coefficients[:, pick][:, :, rows, cols]).to(device)
+        coef = coef / self.scale.float()[None, :, None, None]
+        coef[0] -= (self.offset / self.scale).float()[:, None, None]  # the constant term
+        self._coefficients = coef  # (T, C', rows, cols): the climatology in scored units
+        mean = torch.from_numpy(clim.time_mean[pick][:, rows, cols]).to(device).double()
+        self.time_mean = ((mean - self.offset[:, None, None]) / self.scale[:, None, None]
+                          ).float()[None, None]
+
+    def _scored(self, physical: torch.Tensor) -> torch.Tensor:
+        """(C, ...) physical fields of the data's channels -> normalised."""
+        shape = (-1,) + (1,) * (physical.dim() - 1)
+        return (physical - self._mean_c.view(shape)) / self._std_c.view(shape)
+
+    def extend(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C, H, W) normalised fields -> (..., C', H, W) with the derived channels."""
+        if not self._wind:
+            return x
+        u, v = (x[..., c, :, :] * self._std_c[c] + self._mean_c[c] for c in self._wind)
+        return torch.cat([x, torch.hypot(u, v).unsqueeze(-3)], dim=-3)
+
+    def climatology(self, phase: np.ndarray, hour: np.ndarray) -> torch.Tensor:
+        """(B, L+1, C', H, W) climatology at each valid time, or the time mean broadcast
+        as (1, 1, C', H, W) when the data has no climatology."""
+        if self._coefficients is None:
+            return self.time_mean
+        b = torch.from_numpy(basis(phase, hour)).to(self._coefficients)
+        return torch.einsum("blt,tchw->blchw", b, self._coefficients)
+
+    def physical(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C, H, W) scored fields of the first C channels -> physical units."""
+        C = x.shape[-3]
+        scale, offset = (t[:C].view(-1, 1, 1) for t in (self.scale, self.offset))
+        return (x.double() * scale + offset).float()
