@@ -8,14 +8,19 @@ climatology.
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --h_parallel_size 2  # AFNO mesh
 
+    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr
+
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
-then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel at
-every lead is scored by latitude-weighted RMSE (physical units) and ACC, next to the two
-baselines: persistence (the initial state) and climatology (time_means). Checkpoints hold
-full tensors, so any checkpoint (train.py or train_mp.py, any layout) evaluates serially or
-in any layout (distributed/layout.py: --tp / --cp for the ViT, an h x w mesh for the AFNO).
-Results go to <run dir>/forecast/: skill.csv, skill.json, skill_vs_lead.png,
-rollout_<channel>.png, TensorBoard events (tensorboard/) and inference.log.
+then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
+10 m wind speed) at every lead, globally and in three latitude bands, is scored by
+WeatherBench-2's latitude-weighted RMSE (physical units) and ACC, next to three baselines:
+persistence (the initial state), the seasonal and diurnal climatology and the time mean
+(docs/scoring.md). Checkpoints hold full tensors, so any checkpoint (train.py or
+train_mp.py, any layout) evaluates serially or in any layout (distributed/layout.py: --tp /
+--cp for the ViT, an h x w mesh for the AFNO). Results go to <run dir>/forecast/:
+skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
+(tensorboard/) and inference.log; with --save_forecasts, the rollouts as a Zarr dataset in
+WeatherBench-2's forecast layout (evaluation/forecast_file.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import networks
 from distributed import comm
 from distributed.helpers import compute_split_shapes
 from distributed.layout import MODEL_PARALLEL_KEYS, Layout
+from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
     HEADLINE_CHANNELS,
@@ -48,6 +54,7 @@ from evaluation.forecast_skill import (
     write_csv,
     write_json,
 )
+from evaluation.references import References
 from evaluation.rollout import rollout
 from evaluation.scores import Normaliser, whole_field
 from training.checkpoint import (
@@ -61,6 +68,7 @@ from training.main import run_main
 from training.run_dirs import newest_checkpointed
 from utils.config import add_flags, read_config, saved_config
 from utils.config_schema import Config
+from utils.data.era5_names import wb2_label
 from utils.data.forecast import InitialCondition, RolloutData
 from utils.errors import CheckpointError, ConfigError
 from utils.precision import Precision, choose_precision
@@ -87,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"channels to print besides {', '.join(HEADLINE_CHANNELS)}")
     p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
     p.add_argument("--out", default=None, help="output directory (default <run dir>/forecast)")
+    p.add_argument("--save_forecasts", default=None, metavar="PATH",
+                   help="also write the rollouts (physical units) to this Zarr store in "
+                        "WeatherBench-2's forecast layout")
     # The evaluation's own layout (serial by default) and precision (default: the training
     # config's), as the schema declares them.
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
@@ -178,27 +189,43 @@ def my_initial_conditions(ics: list[InitialCondition]) -> list[InitialCondition]
 
 def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialCondition],
              lead_steps: int, batch_size: int, layout: Layout, precision: Precision,
-             norm: Normaliser, map_channel: int) -> tuple[torch.Tensor, np.ndarray]:
+             norm: Normaliser, refs: References, map_channel: int,
+             save: tuple[str, int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """Sums of scores over `ics` (evaluation.forecast_skill.forecast_sums), and the first
     rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W). On a spatial
-    mesh every rank rolls out its tile (`data` reads only it) and the sums are the grid's."""
+    mesh every rank rolls out its tile (`data` reads only it) and the sums are the grid's.
+    `save` = (Zarr store, index of ics[0] in it): the forecasts are written there too."""
     device, tile = layout.device, layout.tile
-    climatology = norm.climatology[..., tile.rows, tile.cols]
     # Allocated outside inference mode: the all-reduce later updates it in place.
-    sums = torch.zeros(len(FORECASTS), 2, lead_steps + 1, norm.means.shape[1],
-                       dtype=torch.float64, device=device)
+    sums = torch.zeros(len(FORECASTS), 2, len(norm.regions), lead_steps + 1,
+                       len(refs.channels), dtype=torch.float64, device=device)
     example = None
     for start in range(0, len(ics), batch_size):
+        batch = ics[start: start + batch_size]
+        _, phase, hour = data.valid_times(batch, lead_steps)
         with torch.inference_mode():  # no autograd bookkeeping at all
-            truth = data.read(ics[start: start + batch_size], lead_steps, tile).to(device)
+            truth = data.read(batch, lead_steps, tile).to(device)
             with precision.autocast():
                 preds = rollout(model, truth[:, 0], lead_steps)
             forecast = torch.cat([truth[:, :1], preds], dim=1)  # lead 0: the initial state
-            sums += forecast_sums(forecast, truth, climatology, tile)
+            if save is not None:
+                _save(save[0], save[1] + start, forecast, refs, tile)
             if example is None:
                 example = whole_field(torch.stack([truth[0, :, map_channel],
                                                    forecast[0, :, map_channel]]), tile)
+            sums += forecast_sums(refs.extend(forecast), refs.extend(truth),
+                                  refs.climatology(phase, hour), refs.time_mean, norm.weights,
+                                  tile)
     return sums, example.cpu().numpy()
+
+
+def _save(path: str, start: int, forecast: torch.Tensor, refs: References, tile) -> None:
+    """Write a batch of rollouts (the whole grid: gathered over a spatial mesh; one rank of
+    each model-parallel group writes) into the forecast store."""
+    fields = whole_field(forecast, tile)
+    if comm.get_rank("mp") == 0:
+        physical = refs.physical(fields).cpu().numpy()
+        write_forecasts(path, start, physical, refs.channels[:forecast.shape[2]])
 
 
 def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarray,
@@ -209,20 +236,24 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
 
     from tools.forecast_plots import rollout_maps, skill_vs_lead
 
-    for name in dict.fromkeys(table_channels):  # in order, without repeats
-        log.info(f"Forecast skill of {name}, mean over {skill.n_initial_conditions} "
-                 "initial conditions:\n" + "\n".join(format_table(skill, name)))
-    for name in dict.fromkeys(table_channels):
+    table_channels = [c for c in dict.fromkeys(table_channels) if c in skill.channels]
+    for name in table_channels:  # in order, without repeats
+        log.info(f"Forecast skill of {name} ({wb2_label(name)}), mean over "
+                 f"{skill.n_initial_conditions} initial conditions:\n"
+                 + "\n".join(format_table(skill, name)))
+    for name in table_channels:
         log.info(describe_crossings(skill, name))
     write_csv(skill, os.path.join(out_dir, "skill.csv"))
     write_json(skill, os.path.join(out_dir, "skill.json"), metadata)
     for f, forecast in enumerate(FORECASTS):
         # purge_step 0: TensorBoard drops the events of an earlier evaluation in this directory
         with SummaryWriter(os.path.join(out_dir, "tensorboard", forecast), purge_step=0) as writer:
-            for c, name in enumerate(skill.channels):
-                for k, hours in enumerate(skill.lead_hours):
-                    writer.add_scalar(f"forecast/RMSE({name})", skill.rmse[f, k, c], hours)
-                    writer.add_scalar(f"forecast/ACC({name})", skill.acc[f, k, c], hours)
+            for r, region in enumerate(skill.regions):
+                where = "forecast" if region == "global" else f"forecast/{region}"
+                for c, name in enumerate(skill.channels):
+                    for k, hours in enumerate(skill.lead_hours):
+                        writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
+                        writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
     fig = skill_vs_lead(skill, HEADLINE_CHANNELS,
                         f"{metadata['config']}, iteration {metadata['iteration']}: "
                         f"{skill.n_initial_conditions} initial conditions")
@@ -267,19 +298,31 @@ def main(argv: list[str] | None = None) -> None:
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
     norm = Normaliser(cfg, layout.device)
+    refs = References(cfg, norm, channels, layout.tile)
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
-             f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each")
+             f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
+             f"grid {norm.grid.describe()}; regions {', '.join(norm.regions)}; "
+             f"climatology: {refs.kind}")
+    save = None
+    if args.save_forecasts:
+        if rank == 0:
+            create_store(args.save_forecasts, data.valid_times(ics, 0)[0][:, 0],
+                         data.lead_hours(args.lead_steps), norm.grid, channels)
+        comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
+        save = (args.save_forecasts, ics.index(mine[0]))
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
     sums, example = evaluate(model, data, mine, args.lead_steps, args.batch_size, layout,
-                             precision, norm, channels.index(args.map_channel))
+                             precision, norm, refs, channels.index(args.map_channel), save)
     comm.sum_over(sums, "dp")
     seconds = time.time() - start
     log.info(f"Rolled out {len(ics)} x {args.lead_steps} steps in {seconds:.1f} s "
              f"({len(ics) * args.lead_steps / seconds:.1f} model steps/s)")
     stds = norm.stds.flatten().tolist()
-    skill = skill_from_sums(sums, len(ics), stds, data.lead_hours(args.lead_steps), channels)
+    skill = skill_from_sums(sums, len(ics), refs.scale.tolist(),
+                            data.lead_hours(args.lead_steps), refs.channels, norm.regions,
+                            refs.kind)
     data.close()
 
     # ---- report (rank 0): tables, crossings, CSV/JSON, TensorBoard, figures
@@ -289,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
         metadata = {"checkpoint": os.path.abspath(path), "iteration": int(ckpt["iters"]),
                     "config": cfg.config, "amp_mode": precision.mode,
                     "layout": layout.sizes(), "data": cfg.inf_data_path, "seconds": seconds,
+                    "grid": {"latitude": norm.grid.latitude.tolist(),
+                             "longitude": norm.grid.longitude.tolist()},
+                    "forecasts": (os.path.abspath(args.save_forecasts)
+                                  if args.save_forecasts else None),
                     "initial_conditions": [ic.to_dict() for ic in ics]}
         report(skill, out_dir, [*HEADLINE_CHANNELS, *args.channels], maps,
                args.map_channel, metadata)

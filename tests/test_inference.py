@@ -2,9 +2,12 @@
 
 The scores inference.py writes are checked against an independent computation: the test
 reads the initial conditions straight from the HDF5 file with h5py, normalises them with
-numpy, steps the checkpoint's serial model one sample at a time, and scores with plain
-Python loops (tests/test_forecast_skill.py's `reference_scores`). fp32 model and batch
-order differ (batches of 2 vs 1 here), so they agree to rtol 1e-4 (measured ~1e-6).
+numpy, steps the checkpoint's serial model one sample at a time, evaluates the seasonal
+climatology's harmonics at each valid time with its own formula, and scores with plain
+Python loops and WeatherBench-2's weights of the file's latitudes (helpers'
+`reference_scores`). fp32 model and batch order differ (batches of 2 vs 1 here), so they
+agree to rtol 1e-4 (measured ~1e-6). The forecasts written with --save_forecasts are read
+back with xarray and scored again.
 
 A train_mp.py (tp = 2) checkpoint gives the same scores evaluated serially, with --tp 2,
 --cp 2 and with 2 data-parallel ranks: rtol 1e-5 (measured <= 1e-6: sums split over ranks
@@ -14,12 +17,13 @@ and the model's matmuls split over tp change only the last bits).
 from __future__ import annotations
 
 import json
+import math
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import CONFIG_FILE, reference_scores, run_script
+from helpers import CONFIG_FILE, lat_weights, reference_scores, run_script
 
 from networks.vit import vit_from_params
 from training.checkpoint import latest_checkpoint
@@ -30,6 +34,8 @@ LEAD = 4
 N_ICS = 5
 CHECKED = ("u10", "t2m", "z500")
 OUTPUTS = ("skill.csv", "skill.json", "skill_vs_lead.png", "rollout_t2m.png", "inference.log")
+FORECASTS = ("model", "persistence", "climatology", "time_mean")
+REGIONS = ["global", "northern-hemisphere", "tropics", "southern-hemisphere"]
 TIMEOUT = 240
 
 
@@ -57,10 +63,21 @@ def serial_run(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(serial_run):
-    """inference.py --config=tiny: finds the run under LOG_DIR, writes <run>/forecast/."""
-    result = evaluate(serial_run, "--config=tiny")
+    """inference.py --config=tiny: finds the run under LOG_DIR, writes <run>/forecast/ and
+    the forecasts (--save_forecasts)."""
+    zarr = serial_run.exp_dir("tiny") / "forecasts.zarr"
+    result = evaluate(serial_run, "--config=tiny", f"--save_forecasts={zarr}")
     out = serial_run.exp_dir("tiny") / "forecast"
     return result, out, json.loads((out / "skill.json").read_text())
+
+
+def harmonics(phase: float, hour: float) -> np.ndarray:
+    """The climatology's 14 terms (docs/scoring.md), written out again."""
+    y, d = 2 * math.pi * phase, 2 * math.pi * hour / 24
+    return np.array([1, math.cos(y), math.sin(y), math.cos(2 * y), math.sin(2 * y),
+                     math.cos(3 * y), math.sin(3 * y), math.cos(d), math.sin(d),
+                     math.cos(2 * d), math.cos(d) * math.cos(y), math.cos(d) * math.sin(y),
+                     math.sin(d) * math.cos(y), math.sin(d) * math.sin(y)])
 
 
 def independent_scores(skill_json, checkpoint, tiny_data):
@@ -73,11 +90,18 @@ def independent_scores(skill_json, checkpoint, tiny_data):
     model.eval()
     means = np.load(tiny_data / "stats" / "global_means.npy")[0].astype(np.float64)
     stds = np.load(tiny_data / "stats" / "global_stds.npy")[0].astype(np.float64)
-    clim = np.load(tiny_data / "stats" / "time_means.npy")[0, :, :H, :W].astype(np.float64)
-    truths, forecasts = [], []
+    time_mean = np.load(tiny_data / "stats" / "time_means.npy")[0].astype(np.float64)
+    coefficients = np.load(tiny_data / "stats" / "climatology.npz")["coefficients"][:, :20]
+    truths, forecasts, climatologies = [], [], []
     for ic in skill_json["initial_conditions"]:
         with h5py.File(tiny_data / "test" / ic["file"], "r") as f:
             raw = f["fields"][ic["index"]: ic["index"] + LEAD + 1, :, :H, :W].astype(np.float64)
+            hours = f["time"][ic["index"]: ic["index"] + LEAD + 1]
+            latitudes = f["latitude"][:H]
+            per_year = f["fields"].attrs["samples_per_year"]
+        climatologies.append([np.tensordot(harmonics((ic["index"] + k) / per_year,
+                                                     hours[k] % 24), coefficients, 1)
+                              for k in range(LEAD + 1)])
         x = torch.from_numpy(((raw[0] - means) / stds).astype(np.float32))[None]
         steps = [raw[0]]
         with torch.no_grad():
@@ -89,17 +113,18 @@ def independent_scores(skill_json, checkpoint, tiny_data):
     channels = list(skill_json["channels"])
     pick = [channels.index(c) for c in CHECKED]
     truth, forecast = np.stack(truths)[:, :, pick], np.stack(forecasts)[:, :, pick]
+    climatology = np.stack(climatologies)[:, :, pick].astype(np.float64)
     persistence = np.repeat(truth[:, :1], LEAD + 1, axis=1)
-    climatology = np.broadcast_to(clim[pick][None, None], truth.shape)
-    scores = [reference_scores(p, truth, clim[pick])
-              for p in (forecast, persistence, climatology)]
+    mean = np.broadcast_to(time_mean[pick], truth.shape)
+    scores = [reference_scores(p, truth, climatology, latitudes)
+              for p in (forecast, persistence, climatology, mean)]
     return np.stack([s[0] for s in scores]), np.stack([s[1] for s in scores])
 
 
 def from_json(skill_json, metric):
-    """(3 forecasts, leads, CHECKED channels) from skill.json."""
+    """(4 forecasts, leads, CHECKED channels) from skill.json."""
     return np.stack([np.array([skill_json["channels"][c][metric][f] for c in CHECKED]).T
-                     for f in ("model", "persistence", "climatology")])
+                     for f in FORECASTS])
 
 
 @pytest.mark.e2e
@@ -107,16 +132,19 @@ def test_inference_writes_every_output_and_the_table(evaluated):
     result, out, skill = evaluated
     for name in OUTPUTS:
         assert (out / name).is_file(), name
-    for forecast in ("model", "persistence", "climatology"):
+    for forecast in FORECASTS:
         assert list((out / "tensorboard" / forecast).glob("events.out.tfevents.*")), forecast
     assert skill["config"] == "tiny" and skill["iteration"] == ITERS
     assert skill["lead_hours"] == [6 * k for k in range(LEAD + 1)]
-    assert len(skill["channels"]) == 20 and skill["n_initial_conditions"] == N_ICS
+    assert len(skill["channels"]) == 21 and skill["n_initial_conditions"] == N_ICS
+    assert list(skill["channels"])[-1] == "ws10" and skill["regions"] == REGIONS
+    assert skill["climatology"] == "seasonal and diurnal harmonics"
     rows = (out / "skill.csv").read_text().splitlines()
-    assert len(rows) == 1 + 20 * (LEAD + 1)
-    for name in CHECKED:
+    assert len(rows) == 1 + len(REGIONS) * 21 * (LEAD + 1)
+    for name in ("z500", "t850", "t2m", "u10", "v10", "ws10", "msl"):  # WB2's headline
         assert f"| {name} lead | RMSE model |" in result.stdout
         assert f"{name}: model RMSE above persistence" in result.stdout
+    assert "Forecast skill of z500 (geopotential 500 hPa)" in result.stdout
 
 
 @pytest.mark.e2e
@@ -131,11 +159,45 @@ def test_scores_agree_with_an_independent_computation(evaluated, serial_run, tin
 @pytest.mark.e2e
 def test_at_lead_0_model_and_persistence_are_the_truth(evaluated):
     _, _, skill = evaluated
-    for name, scores in skill["channels"].items():
-        assert scores["rmse"]["model"][0] == 0.0 == scores["rmse"]["persistence"][0], name
-        assert scores["acc"]["model"][0] == pytest.approx(1.0, abs=1e-5), name
-        assert scores["rmse"]["climatology"][0] > 0, name
-        assert scores["acc"]["climatology"] == [0.0] * (LEAD + 1), name
+    for name, channel in skill["channels"].items():
+        for region, scores in channel["regions"].items():
+            where = f"{name} {region}"
+            assert scores["rmse"]["model"][0] == 0.0 == scores["rmse"]["persistence"][0], where
+            assert scores["acc"]["model"][0] == pytest.approx(1.0, abs=1e-5), where
+            assert scores["rmse"]["climatology"][0] > 0, where
+            assert scores["acc"]["climatology"] == [0.0] * (LEAD + 1), where
+
+
+@pytest.mark.e2e
+def test_saved_forecasts_are_weatherbench2s_layout_and_score_the_same(evaluated, serial_run,
+                                                                       tiny_data):
+    """xarray reads --save_forecasts' store; z500 at 12 h, scored from it with numpy against
+    the HDF5 truth and the files' own latitude weights, is skill.json's RMSE."""
+    import xarray as xr
+
+    _, _, skill = evaluated
+    ds = xr.open_zarr(serial_run.exp_dir("tiny") / "forecasts.zarr")
+    assert set(ds.dims) == {"time", "prediction_timedelta", "level", "latitude", "longitude"}
+    assert ds["geopotential"].dims == ("time", "prediction_timedelta", "level", "latitude",
+                                       "longitude")
+    assert ds["2m_temperature"].attrs["units"] == "K" and list(ds.level.values) == [50, 500,
+                                                                                   850, 1000]
+    assert (np.diff(ds.latitude.values) > 0).all()
+    assert list(ds.prediction_timedelta.values.astype("timedelta64[h]").astype(int)) == \
+        [6 * k for k in range(LEAD + 1)]
+    with h5py.File(tiny_data / "test" / "2019.h5", "r") as f:
+        hours, fields = f["time"][:], f["fields"]
+        starts = [ic["index"] for ic in skill["initial_conditions"]]
+        expected = np.datetime64("1970-01-01T00", "h") + hours[starts].astype("timedelta64[h]")
+        np.testing.assert_array_equal(ds.time.values.astype("datetime64[h]"), expected)
+        truth = np.stack([fields[i + 2, 14] for i in starts]).astype(np.float64)  # z500, +12 h
+        latitudes = f["latitude"][:]
+    z500 = ds["geopotential"].sel(level=500, prediction_timedelta=np.timedelta64(12, "h"))
+    forecast = z500.sortby("latitude", ascending=False).values.astype(np.float64)
+    weights = np.array(lat_weights(list(latitudes)))[None, :, None]
+    rmse = np.sqrt(np.mean(np.mean(weights * (forecast - truth) ** 2, axis=(1, 2))))
+    assert rmse == pytest.approx(skill["channels"]["z500"]["rmse"]["model"][2], rel=1e-5)
+    assert np.isnan(ds["temperature"].sel(level=1000).values).all()  # no t1000 channel
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +227,7 @@ def test_a_tp2_checkpoint_scores_the_same_serially_and_in_parallel(tp2_run, tp2_
     assert parallel["initial_conditions"] == serial["initial_conditions"]
     for name in serial["channels"]:
         for metric in ("rmse", "acc"):
-            for forecast in ("model", "persistence", "climatology"):
+            for forecast in FORECASTS:
                 np.testing.assert_allclose(parallel["channels"][name][metric][forecast],
                                            serial["channels"][name][metric][forecast],
                                            rtol=1e-5, atol=1e-7, err_msg=f"{name} {metric}")
