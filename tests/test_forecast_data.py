@@ -1,8 +1,10 @@
-"""utils/forecast_data.py on the tiny synthetic data set (real HDF5 files): which initial
+"""utils/data/forecast.py on the tiny synthetic data set (real HDF5 files): which initial
 conditions a rollout starts from, and that the truth it is scored against is exactly what
 the training loader serves."""
 
 from __future__ import annotations
+
+import logging
 
 import h5py
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import torch
 from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
+import utils.data.grid as grid_module
 from utils.data.dataset import ERA5Dataset
 from utils.data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
 from utils.data.synthetic import CHANNEL_NAMES
@@ -70,10 +73,14 @@ def test_windows_are_the_training_loaders_samples_in_a_row(tiny_params, data):
             torch.testing.assert_close(windows[b, k], tar, rtol=0, atol=0)
 
 
-def test_windows_are_cropped_to_img_size_and_normalised(tiny_params, tiny_data):
-    # the loaders read the first rows and columns only
+def test_windows_are_cropped_to_img_size_and_normalised(tiny_params, tiny_data, caplog):
+    # the loaders read the first rows and columns only, and say so
     tiny_params = tiny_params.replace(img_size=[8, 16])
-    data = RolloutData(tiny_params, tiny_params.inf_data_path)
+    with caplog.at_level(logging.WARNING):
+        data = RolloutData(tiny_params, tiny_params.inf_data_path)
+    assert data.grid.shape == (8, 16) and data.grid.latitude[-1] == 11.25
+    if "crops the data's 16 x 32 grid" not in caplog.text:  # logged once per process
+        assert grid_module._said >= {("crop", 16, 32, 8, 16)}
     ic = data.pick(1, 2)[0]
     got = data.read([ic], 2)[0].numpy()
     means = np.load(tiny_data / "stats" / "global_means.npy")[0]
@@ -82,6 +89,40 @@ def test_windows_are_cropped_to_img_size_and_normalised(tiny_params, tiny_data):
         raw = f["fields"][ic.index: ic.index + 3, :, :8, :16]
     np.testing.assert_allclose(got, (raw - means) / stds, rtol=1e-6, atol=1e-6)
     data.close()
+
+
+def test_a_smaller_img_size_is_a_crop_the_log_states_and_the_scores_follow(tiny_params,
+                                                                          caplog):
+    """Never a silent corner: the crop is logged with the latitudes it keeps, the
+    Normaliser scores those rows only, with the cell areas of the data's grid."""
+    from evaluation.regions import cell_areas
+    from evaluation.scores import Normaliser
+
+    grid_module._said.clear()
+    cfg = tiny_params.replace(img_size=[4, 32])
+    with caplog.at_level(logging.WARNING):
+        norm = Normaliser(cfg, torch.device("cpu"))
+    assert ("img_size 4 x 32 crops the data's 16 x 32 grid" in caplog.text
+            and "first 4 rows (latitude 90.00 to 56.25)" in caplog.text)
+    assert norm.regions == ["global", "northern-hemisphere"]  # the crop has no tropics
+    areas = cell_areas(90 - 11.25 * np.arange(16))[:4]
+    np.testing.assert_allclose(norm.weights[0].double(), areas / areas.mean(), rtol=1e-6)
+
+
+def test_an_img_size_larger_than_the_data_is_a_one_line_error(tiny_params):
+    with pytest.raises(DataError, match="2019.h5: fields are 16x32, smaller than img_size "
+                                        "32x32"):
+        RolloutData(tiny_params.replace(img_size=[32, 32]), tiny_params.inf_data_path)
+
+
+def test_valid_times_come_from_the_files(data):
+    ics = data.pick(2, 3)
+    hours, phase, hour = data.valid_times(ics, 3)
+    with h5py.File(ics[1].file, "r") as f:
+        expected = f["time"][ics[1].index: ics[1].index + 4]
+    np.testing.assert_array_equal(hours[1], expected)
+    np.testing.assert_allclose(phase[1], (ics[1].index + np.arange(4)) / TINY_SAMPLES_PER_YEAR)
+    np.testing.assert_array_equal(hour[1], expected % 24)
 
 
 def test_lead_times_follow_dt(tiny_params):

@@ -53,7 +53,9 @@ def _open_datasets(path: str) -> list[tuple[str, Any]]:
 
     try:
         if _is_zarr(path):
-            return [(path, xr.open_zarr(path, chunks={}))]
+            # The public buckets are read anonymously (gs:// needs the gcsfs package).
+            options = {"token": "anon"} if path.startswith("gs://") else None
+            return [(path, xr.open_zarr(path, chunks={}, storage_options=options))]
         if os.path.isfile(path):
             files = [path]
         elif os.path.isdir(path):

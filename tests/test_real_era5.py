@@ -1,0 +1,128 @@
+"""From a WeatherBench-2-layout Zarr store to scores and forecasts, as a user runs it:
+prepare_era5 on the command line (parallel workers, then SLURM-style array tasks), train.py
+for a few iterations on the prepared data, inference.py with regional scores, the seasonal
+climatology and --save_forecasts, and the forecast store read back with xarray.
+
+The store is made here (tests/era5_stores.py): three years (2016, a leap year, to 2018),
+6-hourly, the first 12 days of each, on an 11.25 degree grid with both poles (17 x 32)
+that --crop_rows 16 turns into the tiny config's 16 x 32 (as the tutorial's 720 of ERA5's
+721 rows).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from era5_stores import wb2_zarr
+from helpers import REPO, child_env, run_script
+
+YEARS = ["--train_years", "2016", "--valid_years", "2017", "--test_years", "2018"]
+REGIONS = ["global", "northern-hemisphere", "tropics", "southern-hemisphere"]
+TIMEOUT = 300
+
+
+def prepare(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "utils.data.prepare_era5", *args]
+    return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return wb2_zarr(tmp_path_factory.mktemp("wb2") / "era5.zarr", [2016, 2017, 2018],
+                    rows=17, cols=32, days=12)
+
+
+@pytest.fixture(scope="module")
+def prepared(store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("era5")
+    run = prepare(str(store), str(out), *YEARS, "--crop_rows", "16", "--max_samples", "48",
+                  "--workers", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run
+
+
+@pytest.mark.e2e
+def test_prepared_with_workers_progress_and_a_summary(prepared):
+    out, run = prepared
+    assert "prepared 144/144 samples (100%)" in run.stderr and "samples/s" in run.stderr
+    assert "ETA" in run.stderr and "MB/s" in run.stderr
+    assert "wrote 3 year file(s), 144 samples" in run.stdout and "peak memory" in run.stdout
+    for split, year in (("train", 2016), ("valid", 2017), ("test", 2018)):
+        assert (out / split / f"{year}.h5").is_file()
+    lat = np.load(out / "stats" / "latitude.npy")
+    np.testing.assert_allclose(lat, 90 - 11.25 * np.arange(16))
+
+
+@pytest.mark.e2e
+def test_array_tasks_then_a_merge_make_the_same_files(store, prepared, tmp_path):
+    out, _ = prepared
+    flags = (str(store), str(tmp_path), *YEARS, "--crop_rows", "16", "--max_samples", "48")
+    for task in range(3):
+        run = prepare(*flags, "--task", str(task))
+        assert run.returncode == 0 and "statistics" not in run.stdout, run.stderr[-2000:]
+    assert not (tmp_path / "stats" / "global_means.npy").exists()
+    run = prepare(*flags)
+    assert run.returncode == 0 and run.stderr.count("is complete, skipped") == 3
+    for name in ("global_means.npy", "global_stds.npy", "time_means.npy", "climatology.npz"):
+        assert (tmp_path / "stats" / name).read_bytes() == (out / "stats" / name).read_bytes()
+    bad = prepare(*flags, "--task", "3")
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "error: --task 3: there are 3 years (0 .. 2)"
+
+
+@pytest.fixture(scope="module")
+def evaluated(prepared, tmp_path_factory):
+    out, _ = prepared
+    logs = tmp_path_factory.mktemp("logs")
+    train = run_script("train.py", ["--config=tiny", "--num_iters=4"], data_dir=out,
+                       log_dir=logs, timeout=TIMEOUT)
+    assert train.returncode == 0, train.output[-3000:]
+    zarr = logs / "forecasts.zarr"
+    result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
+                                         "--n_initial_conditions=5", "--batch_size=5",
+                                         f"--save_forecasts={zarr}"],
+                        data_dir=out, log_dir=logs, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    forecast = train.exp_dir("tiny") / "forecast"
+    return result, forecast, zarr
+
+
+@pytest.mark.e2e
+def test_trained_and_scored_by_region_against_the_seasonal_climatology(evaluated):
+    result, forecast, _ = evaluated
+    skill = json.loads((forecast / "skill.json").read_text())
+    assert skill["regions"] == REGIONS
+    assert skill["climatology"] == "seasonal and diurnal harmonics"
+    assert skill["channels"]["z500"]["variable"] == "geopotential"
+    for region in REGIONS:
+        scores = skill["channels"]["t2m"]["regions"][region]
+        assert all(np.isfinite(scores["rmse"]["climatology"])), region
+        assert scores["acc"]["climatology"] == [0.0] * 5, region
+    rows = (forecast / "skill.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert header[:2] == ["region", "channel"] and "rmse_climatology" in header
+    assert {r.split(",")[0] for r in rows[1:]} == set(REGIONS)
+    assert len(rows) == 1 + 4 * 21 * 5
+    assert "climatology: seasonal and diurnal harmonics" in result.stdout
+    assert "latitude 90.00 to -78.75" in result.stdout
+
+
+@pytest.mark.e2e
+def test_forecasts_are_readable_by_xarray_with_the_right_coordinates(evaluated, prepared):
+    import xarray as xr
+
+    _, _, zarr = evaluated
+    out, _ = prepared
+    ds = xr.open_zarr(zarr)
+    assert ds.time.values[0] == np.datetime64("2018-01-01T00", "ns")
+    assert ds.sizes["time"] == 5 and list(ds.level.values) == [50, 500, 850, 1000]
+    np.testing.assert_allclose(ds.latitude.values, np.load(out / "stats" / "latitude.npy")[::-1])
+    np.testing.assert_allclose(ds.longitude.values, 11.25 * np.arange(32))
+    assert ds["geopotential"].attrs["units"] == "m**2 s**-2"
+    lead = ds["2m_temperature"].sel(prediction_timedelta=np.timedelta64(0, "h")).values
+    assert np.isfinite(lead).all() and 100 < float(np.mean(lead)) < 1000
