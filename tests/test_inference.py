@@ -241,3 +241,33 @@ def test_a_user_error_ends_the_script_with_one_line_and_exit_code_2(serial_run, 
     assert result.returncode == 2, result.output[-3000:]
     assert result.stderr.strip().splitlines() == [
         f"error: checkpoint {tmp_path}/ckpt.pt not found"]
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+def test_an_afno_scores_and_saves_the_same_on_a_spatial_mesh(tiny_data, tmp_path_factory):
+    """h = 2: each rank rolls out and scores its tile of rows, with those rows' weights of
+    every region; the sums over the mesh and the gathered forecasts are the serial ones."""
+    import xarray as xr
+
+    run = train("train.py", tiny_data, tmp_path_factory, "--config=tiny_afno")
+    run_dir = run.exp_dir("tiny_afno")
+    outs = {}
+    for name, flags, nproc in (("serial", [], None), ("mesh", ["--h_parallel_size=2"], 2)):
+        out = tmp_path_factory.mktemp(name)
+        evaluate(run, f"--run_dir={run_dir}", f"--save_forecasts={out / 'f.zarr'}", *flags,
+                 nproc=nproc, out=out)
+        outs[name] = out
+    serial, mesh = (json.loads((outs[n] / "skill.json").read_text()) for n in outs)
+    assert mesh["layout"]["h"] == 2 and mesh["regions"] == serial["regions"] == REGIONS
+    for name in serial["channels"]:
+        for region in REGIONS:
+            for metric in ("rmse", "acc"):
+                for forecast in FORECASTS:
+                    np.testing.assert_allclose(
+                        mesh["channels"][name]["regions"][region][metric][forecast],
+                        serial["channels"][name]["regions"][region][metric][forecast],
+                        rtol=1e-5, atol=1e-6, err_msg=f"{name} {region} {metric} {forecast}")
+    a, b = (xr.open_zarr(outs[n] / "f.zarr") for n in ("serial", "mesh"))
+    np.testing.assert_allclose(b["geopotential"].values, a["geopotential"].values, rtol=1e-5,
+                               equal_nan=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,24 +102,24 @@ def checked(latitude: np.ndarray, longitude: np.ndarray, where: str) -> Grid:
 
 
 # ------------------------------------------------------------------ HDF5 year files
-def read_file_grid(f: object, path: str, shape: tuple[int, int]) -> Grid:
+def read_file_grid(f: Any, path: str, shape: tuple[int, int]) -> Grid:
     """The grid of an open h5py year file whose fields are `shape` (H, W): its recorded
     `latitude` / `longitude`, else the tutorial grid of that shape."""
-    if LATITUDE not in f or LONGITUDE not in f:  # type: ignore[operator]
+    if LATITUDE not in f or LONGITUDE not in f:
         _note_once(("assumed", os.path.dirname(path)), f"{path} records no latitude/"
                    "longitude: assuming the tutorial's grid (utils/data/grid.py)")
         return tutorial_grid(*shape)
-    grid = checked(f[LATITUDE][()], f[LONGITUDE][()], path)  # type: ignore[index]
+    grid = checked(f[LATITUDE][()], f[LONGITUDE][()], path)
     if grid.shape != tuple(shape):
         raise DataError(f"{path}: latitude/longitude describe a {grid.shape[0]} x "
                         f"{grid.shape[1]} grid, the fields are {shape[0]} x {shape[1]}")
     return grid
 
 
-def write_file_grid(f: object, grid: Grid) -> None:
+def write_file_grid(f: Any, grid: Grid) -> None:
     """`latitude` and `longitude` datasets (degrees) in an open, writable h5py file."""
     for name, values in ((LATITUDE, grid.latitude), (LONGITUDE, grid.longitude)):
-        ds = f.create_dataset(name, data=np.asarray(values, dtype=np.float64),  # type: ignore[attr-defined]
+        ds = f.create_dataset(name, data=np.asarray(values, dtype=np.float64),
                               track_times=False)
         ds.attrs["units"] = "degrees_north" if name == LATITUDE else "degrees_east"
 
