@@ -100,6 +100,7 @@ class Source:
         self._flip = len(lat) > 1 and lat[0] < lat[-1]
         lon = np.mod(lon, 360.0)
         self._columns = np.argsort(lon, kind="stable")
+        self._reorder = not np.array_equal(self._columns, np.arange(len(lon)))
         self.grid = Grid((lat[::-1] if self._flip else lat).copy(), lon[self._columns])
         if not (np.diff(self.grid.latitude) < 0).all() or not (
                 np.diff(self.grid.longitude) > 0).all():
@@ -189,7 +190,9 @@ class Source:
         fields = np.stack(dask.compute(*lazy), axis=1).astype(np.float32, copy=False)
         if self._flip:
             fields = fields[:, :, ::-1]
-        return np.ascontiguousarray(fields[..., self._columns])
+        if self._reorder:  # longitudes from -180: columns from 0 degrees east
+            fields = fields[..., self._columns]
+        return np.ascontiguousarray(fields)
 
 
 def year_times(year: int) -> np.ndarray:

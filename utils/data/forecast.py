@@ -32,7 +32,7 @@ from utils.tile import Tile
 HOURS_PER_SAMPLE = 6
 # Initial conditions when --n_initial_conditions is not given (fewer if the test split has
 # fewer): on the synthetic test year (128 samples) the scores of 32 evenly spaced ones are
-# within a few percent of those of all of them (docs/evaluating.md).
+# within a few percent of those of all of them.
 DEFAULT_INITIAL_CONDITIONS = 32
 
 

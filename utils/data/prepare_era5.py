@@ -40,12 +40,12 @@ from utils.errors import EXIT_USER_ERROR, DataError
 
 SPLITS = ("train", "valid", "test")
 EPILOG = """\
-memory: each worker holds one batch of the source's fields at a time, about
-  3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read, cropped,
-  block-averaged), plus for a training year its statistics sums, 14 x 21 x H x W x 8 bytes
-  (H x W: the output grid), plus the source's own read buffers (one chunk per variable).
-  0.25 degrees (721 x 1440), batch 8, no coarsening: ~0.8 GB for the batch and 2.4 GB for
-  the sums; 5.625 degrees (32 x 64): ~30 MB in all. Times --workers.
+memory (peak, per worker): one batch of the source's fields at a time, about
+  3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read, stacked,
+  flipped or block-averaged), plus for a training year its statistics sums,
+  14 x 21 x H x W x 8 bytes (H x W: the output grid), plus ~0.2 GB of Python and libraries.
+  0.25 degrees (721 x 1440), batch 8: ~2 GB for the batch and 2.4 GB for the sums (0.6 GB
+  with --coarsen 2); 2.8125 degrees (64 x 128), batch 8: 0.29 GB measured. Times --workers.
 
 SLURM: one array task per year (tasks count the train, then valid, then test years), then
   one run without --task to verify every year and merge the statistics:

@@ -22,6 +22,7 @@ Memory: X^T Y is float64, 14 x 21 x H x W x 8 bytes: 2.4 GB at 720 x 1440, 0.6 G
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +33,22 @@ from utils.data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
 from utils.data.grid import Grid, save_stats_grid
 
 
-def with_derived(x: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
-    """(B, C, H, W) fields -> (B, C + 1, H, W) with 10 m wind speed appended, when the
-    channels are the tutorial's 20; else the fields unchanged. Also the channel names."""
-    if x.shape[1] != len(CHANNEL_NAMES):
-        return x, tuple(f"ch{c}" for c in range(x.shape[1]))
-    u, v = (x[:, CHANNEL_NAMES.index(n)] for n in WIND_COMPONENTS)
-    speed = np.hypot(u, v)[:, None]
-    return np.concatenate([x, speed], axis=1), (*CHANNEL_NAMES, WIND_SPEED.name)
+def derived_names(channels: int) -> tuple[str, ...]:
+    """Names of the fields the sums cover: the tutorial's 20 channels and 10 m wind speed,
+    or ch0, ch1, ... for another number of channels."""
+    if channels != len(CHANNEL_NAMES):
+        return tuple(f"ch{c}" for c in range(channels))
+    return (*CHANNEL_NAMES, WIND_SPEED.name)
+
+
+def channel_fields(x: np.ndarray) -> Iterator[np.ndarray]:
+    """Each channel of (B, C, H, W) fields as float64 (B, H, W), then the derived 10 m wind
+    speed when the channels are the tutorial's: one channel in float64 at a time."""
+    for c in range(x.shape[1]):
+        yield x[:, c].astype(np.float64)
+    if x.shape[1] == len(CHANNEL_NAMES):
+        u, v = (x[:, CHANNEL_NAMES.index(n)].astype(np.float64) for n in WIND_COMPONENTS)
+        yield np.hypot(u, v)
 
 
 @dataclass
@@ -60,22 +69,22 @@ class PartialSums:
 
     def add(self, x: np.ndarray, phase: np.ndarray, hour: np.ndarray) -> None:
         """Add a batch of samples (B, C, H, W) at year fractions `phase` (B,) and UTC hours
-        `hour` (B,)."""
-        x64 = x.astype(np.float64)
-        b = x64.shape[0]
-        n = b * x64.shape[2] * x64.shape[3]
-        mean = x64.mean(axis=(0, 2, 3))
-        m2 = ((x64 - mean[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
-        fields, channels = with_derived(x64)
+        `hour` (B,). Channel by channel: the float64 temporaries are one channel's."""
+        B, C, H, W = x.shape
         design = basis(phase, hour)  # (B, T)
-        xty = np.tensordot(design, fields, axes=([0], [0]))
         if self.count == 0:
-            self.mean, self.m2 = np.zeros_like(mean), np.zeros_like(m2)
-            self.xty, self.channels = np.zeros_like(xty), channels
-        self._merge_moments(self.count * x64.shape[2] * x64.shape[3], n, mean, m2)
+            self.channels = derived_names(C)
+            self.mean, self.m2 = np.zeros(C), np.zeros(C)
+            self.xty = np.zeros((len(TERMS), len(self.channels), H, W))
+        mean, m2 = np.zeros(C), np.zeros(C)
+        for c, field in enumerate(channel_fields(x)):
+            if c < C:
+                mean[c] = field.mean()
+                m2[c] = np.square(field - mean[c]).sum()
+            self.xty[:, c] += np.tensordot(design, field, axes=([0], [0]))
+        self._merge_moments(self.count * H * W, B * H * W, mean, m2)
         self.xtx += design.T @ design
-        self.xty += xty
-        self.count += b
+        self.count += B
 
     def _merge_moments(self, n_a: int, n_b: int, mean_b: np.ndarray, m2_b: np.ndarray
                        ) -> None:
