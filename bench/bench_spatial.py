@@ -28,8 +28,8 @@ The table shows, per mesh:
   loss step 1     the first step's loss: equal for every mesh (same weights, same batch)
 
 On CPU the ranks share the same cores (cores // ranks threads each, at least one), so a
-mesh cannot make a step faster here; what it buys is memory per rank. See the README's
-step 11 for the communication volume of spatial vs tensor parallelism.
+mesh cannot make a step faster here; what it buys is memory per rank. See
+docs/spatial_parallelism.md for the communication volume of spatial vs tensor parallelism.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ every timing interleaved.
 
     DATA_DIR=data/synthetic python -m bench.bench_step --config cpu_short
     python -m bench.bench_step --config cpu_short --amp_mode auto --enable_fused --enable_jit
-    python -m bench.bench_step --config cpu_short --table --budget_s 120   # the README ladder
+    python -m bench.bench_step --config cpu_short --table --budget_s 120   # docs/benchmarks.md
 
 Per setting:
 (a) ceilings, for the precision the setting computes in (bench/ceilings.py): one n^3

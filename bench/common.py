@@ -1,10 +1,9 @@
-"""What the benchmarks share: their config, a data set to read, a run started without its
-log lines, and the machine they ran on."""
+"""What the benchmarks share: their config, a data set to read, and the machine they ran
+on."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import tempfile
@@ -15,8 +14,6 @@ from typing import Any
 
 import torch
 
-from distributed.layout import Layout
-from training.setup import RunContext, start_run
 from utils.config import DATA_PATH_KEYS, flags_given, read_config
 from utils.config_schema import Config
 from utils.data.synthetic import generate
@@ -55,27 +52,6 @@ def find_data(cfg: Config) -> tuple[Config, tempfile.TemporaryDirectory | None]:
              "global_stds_path": root / "stats" / "global_stds.npy"}
     assert set(where) == set(DATA_PATH_KEYS)
     return cfg.replace(**{k: str(v) for k, v in where.items()}), tmp
-
-
-def start_quietly(cfg: Config, layout: Layout) -> RunContext:
-    """`training.setup.start_run` (seeds, batch sizes, precision, run directory) without
-    its info lines, and the logging set-up as it was before: a benchmark prints its own
-    report (warnings, e.g. an emulated precision, are still logged)."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    logging.disable(logging.INFO)
-    try:
-        return start_run(cfg, layout)
-    finally:
-        logging.disable(logging.NOTSET)
-        for h in list(root.handlers):  # start_run's: stdout and the run's out.log
-            if h not in handlers:
-                root.removeHandler(h)
-                h.close()
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
 
 
 def machine_label(device: torch.device) -> str:

@@ -12,11 +12,11 @@ from torch.profiler import record_function
 
 from bench import clock
 from bench.ceilings import ShapeTrueCeiling, sync
-from bench.common import start_quietly
 from bench.time_split import LOADER_RANGE, profile_split
 from distributed.layout import Layout
 from networks.loss import l2_loss
 from training.run import build_model, build_training
+from training.setup import start_run
 from training.step import Step
 from utils.config_schema import Config
 from utils.model_wrappers import unwrap
@@ -33,7 +33,7 @@ class StepRunner:
         self.layout = Layout.of_groups(cfg, layout.env, layout.device)
         self.device = self.layout.device
         self.step = step or Step()
-        self.ctx = start_quietly(cfg, self.layout)  # seeds, batch sizes, precision, run dir
+        self.ctx = start_run(cfg, self.layout, announce=False)  # the report is the bench's
         model = build_model(cfg, self.layout)  # the layout's layers; DDP; torch.compile
         self.run = build_training(cfg, self.ctx, self.layout, model,
                                   capturable=self.step.capturable)

@@ -1,7 +1,8 @@
 """bench.bench_spatial runs end to end on tiny_afno (no timing assertions): the all-to-all
 bytes it counts in the run equal `distributed.fft.alltoall_bytes`, and every mesh computes
-the same first loss. Its per-rank formula (the README's comparison with tensor parallelism)
-is the exact count divided by the ranks when the splits are even."""
+the same first loss. Its per-rank formula (the comparison with tensor parallelism in
+docs/spatial_parallelism.md) is the exact count divided by the ranks when the splits are
+even."""
 
 from __future__ import annotations
 

@@ -54,9 +54,11 @@ def runs_parent(cfg: Config, world_size: int, device: torch.device) -> str:
     return os.path.join(cfg.expdir, cfg.config, f"{world_size}{kind}")
 
 
-def choose_run_dir(cfg: Config, device: torch.device) -> tuple[str, str]:
+def choose_run_dir(cfg: Config, device: torch.device, log_file: bool = True
+                   ) -> tuple[str, str]:
     """(run directory, why) of this run, chosen on rank 0 (training/run_dirs.py), which
-    creates a new one; every rank gets the same answer."""
+    creates a new one (and with `log_file`, starts its out.log); every rank gets the same
+    answer."""
     parent = runs_parent(cfg, comm.get_world_size(), device)
     answer: tuple[str, str] | None = None
     error = None
@@ -71,7 +73,8 @@ def choose_run_dir(cfg: Config, device: torch.device) -> tuple[str, str]:
                 name = create_run(parent, choice.name, label)
             target = os.path.join(parent, name)
             os.makedirs(target, exist_ok=True)
-            log_to_file(os.path.join(target, "out.log"))
+            if log_file:
+                log_to_file(os.path.join(target, "out.log"))
             answer = (target, choice.why if cfg.run_num is None else "run_num given")
         except OSError as e:
             error = _unwritable(target, parent, e)
@@ -113,14 +116,20 @@ def log_config(cfg: Config) -> None:
     log.info("---------------------------------------------------")
 
 
-def start_run(cfg: Config, layout: Layout) -> RunContext:
-    """Logging (rank 0: stdout and out.log), the allocator setting (utils/allocator.py),
-    seeds, batch sizes, the run directory and the precision: the run's context."""
+def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
+    """The allocator setting (utils/allocator.py), seeds, batch sizes, the run directory and
+    the precision: the run's context. `announce`: set up the log (rank 0: stdout and
+    out.log) and write the run's header to it; a benchmark, which prints its own report,
+    passes False."""
     keep_freed_memory()  # no page faults on every step's fresh activations
-    rank, world = comm.get_world_rank(), comm.get_world_size()
-    config_logger(rank)
     local, global_ = batch_sizes(cfg, comm.get_size("dp"))
     seed_everything(cfg.seed)
+    if not announce:
+        run_dir, why = choose_run_dir(cfg, layout.device, log_file=False)
+        return RunContext(choose_precision(cfg.amp_mode, layout.device), local, global_,
+                          run_dir, why)
+    rank, world = comm.get_world_rank(), comm.get_world_size()
+    config_logger(rank)
     run_dir, why = choose_run_dir(cfg, layout.device)
     log.info(f"Run directory {run_dir} ({why})")
     log.info(describe_device(layout.device))
