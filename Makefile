@@ -1,7 +1,7 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
 # `make evaluate` scores the 5-day forecasts of the newest run of CONFIG (inference.py); every
 # `make train` is a new run, logs/<CONFIG>/1CPU/00, 01, ... (README: Runs).
-# On a GPU node, `make test-gpu` first (tests/gpu, a few minutes; PY=<python> to use another
+# On a GPU node, `make test-gpu` first (tests/gpu, about 30 minutes; PY=<python> to use another
 # interpreter, e.g. a container's venv, instead of .venv).
 # While changing code: `make test-fast` (the unit tier, under a minute), then the tier you
 # touched: `make test-dist` (several ranks) or `make test-e2e` (scripts run as users run them).
