@@ -73,6 +73,12 @@ def _malformed_yaml(d, tiny_data):
     return Case(["malformed YAML", str(bad)], ["--config=tiny", f"--yaml_config={bad}"])
 
 @case
+def _model_parallel_config_for_train_py(d, tiny_data):  # train.py's layout is data-parallel
+    path = _yaml(d, "tiny_tp2: {<<: *tiny, tp: 2}\n")
+    return Case(["config 'tiny_tp2' sets tp 2", "train.py trains data-parallel only",
+                 "train_mp.py"], ["--config=tiny_tp2", f"--yaml_config={path}"])
+
+@case
 def _unknown_flag_value(d, tiny_data):  # argparse: a usage line, then one error line
     return Case(["--amp_mode", "fp8"], ["--config=tiny", "--amp_mode=fp8"])
 
@@ -258,7 +264,8 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, TrainRun | list[TrainRun]]:
     return results
 
 
-NAMES = ["unknown_config", "malformed_yaml", "unknown_flag_value", "bad_flag_value",
+NAMES = ["unknown_config", "malformed_yaml", "model_parallel_config_for_train_py",
+         "unknown_flag_value", "bad_flag_value",
          "missing_data_directory",
          "empty_data_directory", "wrong_hdf5_layout", "stats_shape_mismatch",
          "img_size_not_a_multiple_of_patch", "batch_not_divisible_by_dp",

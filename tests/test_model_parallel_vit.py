@@ -17,13 +17,11 @@ gradients (up to lr = 1e-3 per step in the worst case), hence the absolute term:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_trains_like_serial, run_distributed
+from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import comm
@@ -34,6 +32,7 @@ from distributed.layers import (
     load_serial_state_dict,
 )
 from networks.vit import VisionTransformer, vit_from_params
+from utils.config import read_config
 
 RTOL, ATOL_ADAM, STEPS, GLOBAL_BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 TINY = dict(patch_size=4, in_chans=3, out_chans=2, embed_dim=32, depth=2, num_heads=4)
@@ -81,9 +80,9 @@ def _annotations() -> None:
     comm.init(tp=2, cp=2)
     torch.manual_seed(0)
     serial = VisionTransformer(img_size=(16, 32), **TINY)
-    params = SimpleNamespace(img_size=[16, 32], patch_size=4, n_in_channels=3,
-                             n_out_channels=2, embed_dim=32, depth=2, num_heads=4, dropout=0.0)
-    model = vit_from_params(params, layers=DistributedLayers())  # what train_mp.py builds
+    cfg = read_config(CONFIG_FILE, "tiny", environ={}).replace(
+        n_in_channels=3, n_out_channels=2, tp=2, cp=2)
+    model = vit_from_params(cfg, layers=layout_of(cfg).layers)  # what train_mp.py builds
     # every parameter is annotated: sharded over some groups, replicated over the others
     assert annotation_errors(model) == []
     # memory: each tp rank holds 1/tp of every sharded weight, never the full layer
