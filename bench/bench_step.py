@@ -49,8 +49,10 @@ from bench import clock
 from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import config_of, data_paths, find_data, machine_label
-from bench.report import Summary, print_report, print_split, print_table, summarise
+from bench.floor import ElementwiseFloor, MachineRates
+from bench.report import Limits, Summary, print_report, print_split, print_table, summarise
 from bench.step_runner import StepRunner
+from bench.time_split import Split
 from distributed import comm
 from distributed.layout import Layout
 from networks import training_flops
@@ -184,7 +186,7 @@ def measure(runners: list[StepRunner], mm: MatmulCeiling,
     return results
 
 
-def time_splits(runners: list[StepRunner], budget: Budget) -> dict[str, dict[str, float]]:
+def time_splits(runners: list[StepRunner], budget: Budget) -> dict[str, Split]:
     """The profiled split of each setting's full step, as many settings as the budget
     allows (the last, usually fastest, first)."""
     splits = {}
@@ -219,6 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
     clock.use(args.clock)
+    # Inductor's C++ kernels report themselves to the profiler (a flag check each call
+    # otherwise), so that the split can name them (bench/time_split.py).
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.enable_kernel_profile = True
+    imports_s = budget.elapsed()
     base = config_of(args)
     layout = Layout.data_parallel(base)  # train.py's: joins the job, picks the device
     device = layout.device
@@ -238,60 +246,84 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [autocast_dtype(resolved(p.amp_mode, device)) or torch.float32 for _, p in cases]
     mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
     runners = set_up(cases, layout, budget, args.warmup, args.iters)
-    ceilings = shape_true_ceilings(runners, mm, budget)
+    ceilings, floors = limits_of(runners, mm, budget)
     load_start = os.getloadavg()[0]
     results = measure(runners, mm, ceilings, args.iters, args.repeats, budget)
     splits = time_splits(runners, budget)
     summaries = [summarise(r.label, precision_label(r.dtype, device), results[r.label],
-                           r.batch, flops) for r in runners]
-    print(f"{args.clock} clock; medians over {summaries[0].rounds} interleaved rounds of "
-          f"{args.iters} bare and {args.iters} full steps per setting; 1-min load average "
-          f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
-          f"{budget.elapsed():.0f} s in all (--budget_s {args.budget_s:.0f})")
-    kinds = {f"{precision_label(r.dtype, device)}: {describe_ceiling(ceilings.get(r.label))}":
-             None for r in runners}
-    print(f"n^3 matmul ceiling: {mm.describe()}; shape-true ceiling of a step, "
-          f"{'; '.join(kinds)}\n")
-    report(args, summaries, splits, ceilings)
+                           r.batch, flops, r.first_step_s) for r in runners]
     for r in runners:
         r.close()
+    print(f"{args.clock} clock; medians over {summaries[0].rounds} interleaved rounds of "
+          f"{args.iters} bare and {args.iters} full steps per setting; 1-min load average "
+          f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print_limits(runners, mm, ceilings, floors, device, imports_s)
+    limits = {k: Limits(ceilings[k].split(), floors[k].seconds(), floors[k].optimizer_seconds())
+              for k in ceilings if k in floors}
+    report(args, summaries, splits, limits)
+    print(f"\n{budget.elapsed():.0f} s in all (--budget_s {args.budget_s:.0f})")
     if tmp is not None:
         tmp.cleanup()
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def shape_true_ceilings(runners: list[StepRunner], mm: MatmulCeiling,
-                        budget: Budget) -> dict[str, ShapeTrueCeiling]:
-    """Each setting's shape-true ceiling, unless replaying it would take more than a twentieth
-    of the time left (an emulated precision: its 256^3 matmul rate predicts the replay)."""
-    ceilings = {}
+def print_limits(runners: list[StepRunner], mm: MatmulCeiling,
+                 ceilings: dict[str, ShapeTrueCeiling], floors: dict[str, ElementwiseFloor],
+                 device: torch.device, imports_s: float) -> None:
+    kinds = {f"{precision_label(r.dtype, device)}: {describe_ceiling(ceilings.get(r.label))}":
+             None for r in runners}
+    print(f"n^3 matmul ceiling: {mm.describe()}; shape-true ceiling of a step, "
+          f"{'; '.join(kinds)}")
+    if floors:
+        rates = next(iter(floors.values())).rates
+        passes = {f"{precision_label(r.dtype, device)}: {floors[r.label].describe()}": None
+                  for r in runners if r.label in floors}
+        print(f"elementwise floor (bench/floor.py) at {rates.describe()}: {'; '.join(passes)}")
+    print(f"{imports_s:.1f} s from the process start to the first set-up (interpreter, "
+          "imports); first step [s] = a setting's set-up and first step (torch.compile "
+          "included)\n")
+
+
+def limits_of(runners: list[StepRunner], mm: MatmulCeiling, budget: Budget
+              ) -> tuple[dict[str, ShapeTrueCeiling], dict[str, ElementwiseFloor]]:
+    """Each setting's shape-true ceiling and elementwise floor, unless replaying the ceiling
+    would take more than a twentieth of the time left (an emulated precision: its 256^3
+    matmul rate predicts the replay). The machine's bandwidth and transcendental rate are
+    measured once, at the size of the floors' typical pass."""
+    ceilings, floors = {}, {}
     for r in runners:
-        ceiling = r.record_ceiling()
+        ceiling, floors[r.label] = r.record_limits()
         predicted = ceiling.gemm_gflop / mm.probe[r.dtype]
         if predicted > max(1.0, budget.left() / 20):
             print(f"  '{r.label}': shape-true ceiling skipped (replay ~{predicted:.0f} s at "
                   f"{mm.probe[r.dtype]:.1f} GFLOP/s)", file=sys.stderr, flush=True)
             continue
         ceilings[r.label] = ceiling.prepare()
-    return ceilings
+    passes = sorted(g.nbytes for f in floors.values() for g in f.passes)
+    rates = MachineRates.measure(size_mb=passes[len(passes) // 2] / 3 / 2**20 if passes else 8)
+    for f in floors.values():
+        f.rates = rates
+    return ceilings, floors
 
 
 def describe_ceiling(c: ShapeTrueCeiling | None) -> str:
     if c is None:
         return "skipped (emulated precision)"
     n = c.counts()
-    return f"{n['gemm']} GEMMs ({c.gemm_gflop:.1f} GFLOP) and {n['attention']} attention calls"
+    fft = f", {n['fft']} FFTs" if n["fft"] else ""
+    return (f"{n['gemm']} GEMMs ({c.gemm_gflop:.1f} GFLOP) and {n['attention']} attention "
+            f"calls{fft}")
 
 
-def report(args: argparse.Namespace, summaries: list[Summary],
-           splits: dict[str, dict[str, float]], ceilings: dict[str, ShapeTrueCeiling]) -> None:
+def report(args: argparse.Namespace, summaries: list[Summary], splits: dict[str, Split],
+           limits: dict[str, Limits]) -> None:
     if args.table:
         print_table(summaries)
     else:
         print_report(summaries[0])
     if splits:
         print()
-        print_split(splits, {k: c.split() for k, c in ceilings.items() if k in splits})
+        print_split(splits, {s.label: s for s in summaries}, limits)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,17 @@ machine's matrix units can do on a large, square problem. n is sized to the mach
 a precision the CPU only emulates (bf16 on an AVX2-only CPU: ~100x slower than fp32) gets a
 smaller n, or is skipped, so that the ceiling never dominates a benchmark's time budget.
 
-`ShapeTrueCeiling`: exactly the GEMMs and attention calls of one training step, at their real
-shapes, strides and dtypes, replayed back to back with nothing in between. The model's own
+`ShapeTrueCeiling`: exactly the GEMMs, attention and FFT calls of one training step, at their
+real shapes, strides and dtypes, replayed back to back with nothing in between. The model's own
 GEMMs are small (K = 192 at the CPU size) and cannot reach the 2048^3 rate, so this is the
 ceiling the step can actually reach: step time x fraction = time in the unavoidable kernels.
 The calls are recorded from one eager forward and backward of the model being trained (a
 `TorchDispatchMode` sees every ATen call below autograd, backward included): for each Linear
 y = x W^T the forward x @ W^T and the backward dY @ W and dY^T @ x; each attention call's
-forward and backward kernel; the patch-embedding convolution as the GEMMs it is (its kernel
-equals its stride: (B*tokens, C*p*p) @ (C*p*p, D) forward, dY^T @ X for the weight gradient).
+forward and backward kernel; each FFT (the AFNO's spectral transforms, forward and
+backward); the patch-embedding convolution as the GEMMs it is (its kernel equals its stride:
+(B*tokens, C*p*p) @ (C*p*p, D) forward, dY^T @ X for the weight gradient). Everything else a
+step runs is elementwise work, whose own limit is bench/floor.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 CEILING_SIZES = (2048, 1536, 1024, 768, 512, 256)
+KINDS = ("gemm", "attention", "fft")
 
 
 def sync(device: torch.device) -> None:
@@ -128,7 +131,7 @@ class Ref:
 @dataclass
 class Call:
     op: Any
-    kind: str  # "gemm" or "attention"
+    kind: str  # "gemm", "attention" or "fft"
     args: tuple
     kwargs: dict
     flops: float = 0.0
@@ -137,6 +140,10 @@ class Call:
 def is_attention(op: Any) -> bool:
     name = str(op)
     return "scaled_dot_product" in name or "flash_attention" in name
+
+
+def is_fft(op: Any) -> bool:
+    return "_fft_" in str(op)
 
 
 def gemm_flops(op: Any, specs: list[Spec]) -> float:
@@ -176,7 +183,7 @@ def conv_as_gemms(args: tuple, backward: bool) -> list[Call] | None:
 
 
 class Recorder(TorchDispatchMode):
-    """Records the GEMM, convolution and attention calls that run while it is active."""
+    """Records the GEMM, convolution, attention and FFT calls that run while it is active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -211,6 +218,8 @@ class Recorder(TorchDispatchMode):
             self._remember(args, len(self.calls) - 1, output=False)
             self._remember(out if isinstance(out, (tuple, list)) else (out,),
                            len(self.calls) - 1, output=True)
+        elif is_fft(func):
+            self.calls.append(Call(func, "fft", self._arg(args), self._arg(kwargs)))
         return out
 
     def _remember(self, tensors: Any, call: int, output: bool) -> None:
@@ -267,7 +276,7 @@ class ShapeTrueCeiling:
         return sum(c.flops for c in self.calls) / 1e9
 
     def counts(self) -> dict[str, int]:
-        return {k: sum(c.kind == k for c in self.calls) for k in ("gemm", "attention")}
+        return {k: sum(c.kind == k for c in self.calls) for k in KINDS}
 
     def seconds(self, tries: int = 2) -> float:
         """Best time of one back-to-back pass over every call."""
@@ -283,10 +292,10 @@ class ShapeTrueCeiling:
         return best
 
     def split(self, tries: int = 2) -> dict[str, float]:
-        """Best seconds per kind (gemm, attention), each kind replayed on its own."""
+        """Best seconds per kind (gemm, attention, fft), each kind replayed on its own."""
         result = {}
         with torch.no_grad():
-            for kind in ("gemm", "attention"):
+            for kind in KINDS:
                 chosen = [p for p, c in zip(self._prepared, self.calls, strict=True)
                           if c.kind == kind]
                 best = float("inf")

@@ -1,18 +1,22 @@
 """One benchmark setting: a run started and built exactly as train.py starts and builds it
 (`start_run`, `build_model`, `build_training`), its step (`training.step.Step`), a random
-batch in memory for the bare step, and what its ceilings and profile need (the eager model,
-the precision it computes in)."""
+batch in memory for the bare step, and what its ceilings, floor and profile need (the eager
+model, the precision it computes in)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.profiler import record_function
 
 from bench import clock
 from bench.ceilings import ShapeTrueCeiling, sync
-from bench.time_split import LOADER_RANGE, profile_split
+from bench.floor import ElementwiseFloor
+from bench.time_split import LOADER_RANGE, LOSS_RANGE, Split, profile_split
 from distributed.layout import Layout
 from networks.loss import l2_loss
 from training.run import build_model, build_training
@@ -29,6 +33,7 @@ class StepRunner:
     same process groups and device (a layout's loss is compiled when `cfg` compiles)."""
 
     def __init__(self, label: str, cfg: Config, layout: Layout, step: Step | None = None):
+        self.start = time.perf_counter()
         self.label, self.cfg = label, cfg
         self.layout = Layout.of_groups(cfg, layout.env, layout.device)
         self.device = self.layout.device
@@ -46,6 +51,7 @@ class StepRunner:
         self.inp = torch.randn(shape, device=self.device)
         self.tar = torch.randn(shape, device=self.device)
         self.step_s = float("nan")  # median full step of the warm-up: for budget estimates
+        self.first_step_s = float("nan")  # set-up + the first step (torch.compile included)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,7 +84,9 @@ class StepRunner:
     def warm_up(self, n: int) -> None:
         """Untimed steps (torch.compile compiles here); sets `step_s`, the wall time of a
         full step, which the time budget plans with."""
-        self.bare(n)
+        self.bare(1)
+        self.first_step_s = time.perf_counter() - self.start
+        self.bare(n - 1)
         self.full(0, untimed=self.prefetched)
         start, n = time.perf_counter(), max(n, 1)
         self.full(n)
@@ -113,9 +121,10 @@ class StepRunner:
         self.scheduler.step()
         loss.item()  # train.py sums the losses on the device; this only waits for it
 
-    def record_ceiling(self) -> ShapeTrueCeiling:
-        """The GEMMs and attention calls of one of its training steps (bench/ceilings.py),
-        recorded from one eager forward and backward at its precision (not yet prepared)."""
+    def record_limits(self) -> tuple[ShapeTrueCeiling, ElementwiseFloor]:
+        """The GEMM, attention and FFT calls of one of its training steps (bench/ceilings.py,
+        not yet prepared) and its elementwise passes (bench/floor.py, no rates yet),
+        recorded from one eager forward and backward at its precision."""
         model = unwrap(self.model)  # torch.compile's graphs hide the calls from the recorder
 
         def forward_backward() -> None:
@@ -123,13 +132,33 @@ class StepRunner:
                 loss = l2_loss(model(self.inp), self.tar)
             loss.backward()
 
-        ceiling = ShapeTrueCeiling.record(forward_backward, self.device)
+        params = sum(p.numel() for p in model.parameters())
+        ceiling: list[ShapeTrueCeiling] = []  # one forward and backward, both recorders on
+        floor = ElementwiseFloor.record(
+            lambda: ceiling.append(ShapeTrueCeiling.record(forward_backward, self.device)),
+            params)
         self.run.optimizer.zero_grad(set_to_none=True)  # those gradients are not a step
-        return ceiling
+        return ceiling[0], floor
 
-    def time_split(self, steps: int = 2) -> dict[str, float]:
-        """Shares of the full step's time by category (bench/time_split.py)."""
-        return profile_split(self.full_step, steps)
+    def time_split(self, steps: int = 2) -> Split:
+        """The full step's time by category, its elementwise time by cause and operator
+        (bench/time_split.py); the loss runs inside `LOSS_RANGE` meanwhile."""
+        with self._loss_marked():
+            return profile_split(self.full_step, steps)
+
+    @contextlib.contextmanager
+    def _loss_marked(self) -> Iterator[None]:
+        layout, loss = self.run.layout, self.run.layout.loss
+
+        def marked(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            with record_function(LOSS_RANGE):
+                return loss(pred, target)
+
+        self.run.layout = dataclasses.replace(layout, loss=marked)
+        try:
+            yield
+        finally:
+            self.run.layout = layout
 
     def close(self) -> None:
         close = getattr(self.loader, "close", None)

@@ -53,8 +53,13 @@ def test_bench_step_reports_both_ceilings_and_the_time_split(bench_data: Path) -
     assert "(a) n^3 matmul ceiling (fp32):" in out and "of it" in out
     assert "(a) shape-true ceiling (fp32):" in out
     assert "29 GEMMs" in out and "4 attention calls" in out  # tiny: depth 2, 9 Linears
+    assert "set-up and first step" in out and "from the process start to the first" in out
+    assert "elementwise floor (bench/floor.py) at" in out and "fused passes" in out
     assert "time split of the full step" in out
-    assert "| GEMM | attention | elementwise+norm | optimizer | loader | Python+framework |" in out
+    assert "| setting | step | GEMM + attention + FFT | elementwise+norm | optimizer | loader " \
+           "| Python+framework | dtype casts |" in out
+    assert "elementwise+norm by cause" in out
+    assert "| casts | layout reorders | norms | activations | softmax | loss |" in out
 
 
 @pytest.mark.e2e
@@ -66,8 +71,9 @@ def test_bench_step_table_on_a_cpu_without_native_bf16_stays_in_fp32(bench_data:
                                           "--budget_s", "45"], bench_data,
                      env={"CPU_NATIVE_PRECISION": "none"})
     out = proc.stdout + proc.stderr
-    assert "| setting | precision | samples/s | overhead (c)/(b) | model GFLOP/s " \
-           "| of n^3 matmul ceiling | of shape-true ceiling |" in proc.stdout, out[-4000:]
+    assert "| setting | precision | samples/s | first step [s] | overhead (c)/(b) " \
+           "| model GFLOP/s | of n^3 matmul ceiling | of shape-true ceiling |" in proc.stdout, \
+        out[-4000:]
     lines = proc.stdout.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("| setting | precision"))
     rows = [line for line in lines[first + 2:] if line.startswith("| ")]
