@@ -58,7 +58,7 @@ from distributed.layout import Layout
 from networks import training_flops
 from training.setup import batch_sizes
 from utils.allocator import keep_freed_memory
-from utils.config import flag_parser, load_yaml
+from utils.config import flag_parser, flags_given, load_yaml
 from utils.config_schema import Config
 from utils.precision import auto_amp_mode, autocast_dtype
 
@@ -214,6 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "on a machine shared with other jobs; see bench/clock.py)")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
+    p.add_argument("--ddp_ranks", type=int, default=2,
+                   help="with --table: also DDP x this many processes of the config as "
+                   "written (bench/ddp_step.py); 0: not")
     return p.parse_args(argv)
 
 
@@ -227,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch._inductor.config.cpp.enable_kernel_profile = True
     imports_s = budget.elapsed()
+    ddp_s = min(90.0, 0.25 * args.budget_s) if args.table and args.ddp_ranks > 1 else 0.0
+    budget.seconds -= ddp_s  # kept for the DDP row, launched last
     base = config_of(args)
     layout = Layout.data_parallel(base)  # train.py's: joins the job, picks the device
     device = layout.device
@@ -261,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     limits = {k: Limits(ceilings[k].split(), floors[k].seconds(), floors[k].optimizer_seconds())
               for k in ceilings if k in floors}
     report(args, summaries, splits, limits)
+    budget.seconds += ddp_s
+    if ddp_s and budget.left() > 30:
+        ddp_row(args, budget, summaries[0])
     print(f"\n{budget.elapsed():.0f} s in all (--budget_s {args.budget_s:.0f})")
     if tmp is not None:
         tmp.cleanup()
@@ -282,6 +290,30 @@ def print_limits(runners: list[StepRunner], mm: MatmulCeiling,
     print(f"{imports_s:.1f} s from the process start to the first set-up (interpreter, "
           "imports); first step [s] = a setting's set-up and first step (torch.compile "
           "included)\n")
+
+
+def ddp_row(args: argparse.Namespace, budget: Budget, one_process: Summary) -> None:
+    """DDP x --ddp_ranks of the config as written (bench/ddp_step.py), against the first
+    setting's samples/s when it computes in the same precision."""
+    from bench import ddp_step
+
+    flags = ["--yaml_config", args.yaml_config, "--config", args.config]
+    for key, value in flags_given(args).items():  # the config's flags given here
+        flags += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    ddp_args = [*flags, "--ranks", str(args.ddp_ranks), "--iters", str(args.iters),
+                "--budget_s", f"{budget.left() - 15:.0f}"]
+    print(f"\nDDP x {args.ddp_ranks} processes on this machine (bench/ddp_step.py), "
+          f"{args.config} as written:\n", flush=True)
+    try:
+        r = ddp_step.launch(ddp_args, ddp_step.parse_args(ddp_args))
+    except RuntimeError as e:
+        print(f"  skipped: {e}")
+        return
+    same = r["precision"] == "none" and one_process.precision == "fp32"
+    print(ddp_step.describe(r, one_process.full_sps if same else None))
+    print(f"(global batch {r['global_batch']}, local {r['local_batch']}; medians of "
+          f"{r['rounds']} interleaved rounds; vs one process = samples/s against "
+          f"'{one_process.label}' above)")
 
 
 def limits_of(runners: list[StepRunner], mm: MatmulCeiling, budget: Budget

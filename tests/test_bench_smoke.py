@@ -85,6 +85,20 @@ def test_bench_step_table_on_a_cpu_without_native_bf16_stays_in_fp32(bench_data:
 
 
 @pytest.mark.e2e
+def test_bench_ddp_step_times_ddp_against_no_sync(bench_data: Path) -> None:
+    """DDP x 2 (torchrun) with the config's buckets, small buckets, and no gradient sync,
+    interleaved: a row each, with the all-reduce share of the DDP rows."""
+    proc = run_bench("bench.ddp_step", ["--iters", "1", "--repeats", "2", "--budget_s", "60"],
+                     bench_data)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert any(r.startswith("| ddp (bucket_cap_mb 25") and r.endswith(" % |") for r in rows), \
+        proc.stdout[-3000:]
+    assert any(r.startswith("| ddp, small buckets (bucket_cap_mb 2") for r in rows)
+    assert any(r.startswith("| no sync (noddp") and r.endswith("| - |") for r in rows)
+    assert "| 2 x 1 |" in rows[-1]  # two ranks of one thread (OMP_NUM_THREADS=1 here)
+
+
+@pytest.mark.e2e
 def test_bench_reference_compares_each_reference_choice(bench_data: Path) -> None:
     proc = run_bench("bench.bench_reference", ["--iters", "1", "--repeats", "2",
                                                "--enable_fused"], bench_data)
