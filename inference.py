@@ -33,7 +33,11 @@ import sys
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as in train.py: shared CPUs
+from utils.openmp import busy_elsewhere, choose  # torch-free
+
+# Before torch loads OpenMP: how idle threads wait. Inference reads its data in this
+# process: its threads have the cores alone unless other work shares them (utils/openmp.py).
+os.environ.update(choose(workers=0, loader="pytorch", busy=busy_elsewhere()).env)
 
 import numpy as np
 import torch

@@ -12,20 +12,19 @@ train_mp.py reuses `train()` with a model-parallel layout.
 
 if __name__ == "__main__":
     # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
-    # with one line and exit code 3, not silently (training/signals.py).
+    # with one line and exit code 3, not silently (training/signals.py). Then, before torch
+    # loads OpenMP, how its idle threads wait: by what shares the cores (utils/openmp.py).
+    import sys
+
     from training.signals import stop_during_startup
+    from utils.openmp import choose_before_torch
 
     stop_during_startup()
+    choose_before_torch(sys.argv[1:])
 
 import logging
-import os
 import sys
 import time
-
-# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a CPU shared
-# with other jobs (a laptop, a small VM) a spinning thread holds the core its partner
-# thread needs. Set OMP_WAIT_POLICY to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport

@@ -30,9 +30,14 @@ Without a GPU it says so and runs train_mp.py's step eagerly.
 if __name__ == "__main__":
     # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
     # with one line and exit code 3, not silently (training/signals.py).
+    # Then, before torch loads OpenMP, how its idle threads wait (utils/openmp.py).
+    import sys
+
     from training.signals import stop_during_startup
+    from utils.openmp import choose_before_torch
 
     stop_during_startup()
+    choose_before_torch(sys.argv[1:], model_parallel=True)
 
 import logging
 import sys

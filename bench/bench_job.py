@@ -3,6 +3,7 @@ with torch.compile's cache cold and warm.
 
     DATA_DIR=data/synthetic python -m bench.bench_job                 # 128 iterations, 2 rounds
     python -m bench.bench_job --num_iters 32 --rounds 1 --config cpu_short
+    python -m bench.bench_job --wait_policy --num_iters 64 --rounds 3   # OpenMP waiting
 
 Every round runs these jobs one after the other (a fresh log directory each):
   eager fp32        --config=<config>                     (the baseline, cpu_short)
@@ -16,6 +17,11 @@ logged (training/compile_cost.py), the FX graph cache's hits, and samples/s of t
 after the first. Medians over rounds are printed, and the iterations after which compiling
 pays for itself: compile time / (eager bf16 step time - compiled step time).
 The machine may be shared: rounds interleave the jobs, so that load hits all of them alike.
+
+`--wait_policy` times instead how idle OpenMP threads wait (utils/openmp.py): <config> in
+the default environment (the policy train.py chooses), with OMP_WAIT_POLICY=ACTIVE (spin
+endlessly) and with OMP_WAIT_POLICY=PASSIVE (sleep at once), each without and with a loader
+worker process (`--num_data_workers 1`); per group, samples/s against ACTIVE's.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Job:
     label: str
     args: list[str]
     cache: str | None = None  # "cold" | "warm" | None (no compile)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this environment's
 
 
 @dataclass
@@ -69,9 +76,24 @@ def jobs(config: str, opt_config: str) -> list[Job]:
             Job("compiled, warm cache", [f"--config={opt_config}"], "warm")]
 
 
+WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def wait_policy_jobs(config: str) -> list[Job]:
+    plan = []
+    for extra, what in (([], ""), (["--num_data_workers=1"], ", 1 loader worker")):
+        args = [f"--config={config}", *extra]
+        plan += [Job(f"default environment{what}", args),
+                 Job(f"OMP_WAIT_POLICY=ACTIVE{what}", args, env={"OMP_WAIT_POLICY": "ACTIVE"}),
+                 Job(f"OMP_WAIT_POLICY=PASSIVE{what}", args,
+                     env={"OMP_WAIT_POLICY": "PASSIVE"})]
+    return plan
+
+
 def run_job(job: Job, num_iters: int, cache_dir: str, into: Result) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_job_logs_") as logs:
-        env = {**os.environ, "LOG_DIR": logs, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+        env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}  # the job's own
+        env.update(LOG_DIR=logs, TORCHINDUCTOR_CACHE_DIR=cache_dir, **job.env)
         cmd = [sys.executable, "train.py", *job.args, f"--num_iters={num_iters}"]
         if job.cache is not None:
             cmd.append("--enable_jit")  # already in an _opt config; makes any config compile
@@ -133,6 +155,9 @@ def print_table(results: dict[str, Result], num_iters: int, rounds: int) -> None
         print(f"| {label} | {med(r.wall)} | {med(r.cpu)} | {med(r.first_step)} | {compile_s} | "
               f"{med(r.graphs, '{:.0f}')} | {med(r.hits, '{:.0f}')} | "
               f"{med(r.samples_per_s)} |")
+    if "eager bf16 + fused + prefetch" not in results:  # --wait_policy
+        print_wait_policy(results)
+        return
     eager = results["eager bf16 + fused + prefetch"]
     for label in ("compiled, cold cache", "compiled, warm cache"):
         r = results[label]
@@ -142,22 +167,35 @@ def print_table(results: dict[str, Result], num_iters: int, rounds: int) -> None
                   f"{payoff(statistics.median(r.compile_total), eager, r)}")
 
 
+def print_wait_policy(results: dict[str, Result]) -> None:
+    for label, r in results.items():
+        group = label.split(", ", 1)[1:]  # "" or "1 loader worker"
+        active = results[", ".join(["OMP_WAIT_POLICY=ACTIVE", *group])]
+        if r.samples_per_s and active.samples_per_s:
+            ratio = statistics.median(r.samples_per_s) / statistics.median(active.samples_per_s)
+            print(f"{label}: samples/s {ratio:.3f} x ACTIVE's (medians)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="cpu_short", help="the eager config")
     p.add_argument("--opt_config", default=None, help="the compiled one (default <config>_opt)")
     p.add_argument("--num_iters", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--wait_policy", action="store_true",
+                   help="time OpenMP wait policies instead (module docstring)")
     args = p.parse_args(argv)
     from utils.hardware import cpu_name  # after argparse: --help stays fast
 
     print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f} at the start")
-    plan = jobs(args.config, args.opt_config or f"{args.config}_opt")
+    plan = (wait_policy_jobs(args.config) if args.wait_policy else
+            jobs(args.config, args.opt_config or f"{args.config}_opt"))
     results = {job.label: Result() for job in plan}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_job_cache_") as cache:
-            for job in plan:
+            k = r % len(plan) if args.wait_policy else 0  # compile jobs: cold before warm
+            for job in plan[k:] + plan[:k]:
                 run_job(job, args.num_iters, cache, results[job.label])
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print_table(results, args.num_iters, args.rounds)

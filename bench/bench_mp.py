@@ -56,6 +56,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from utils.openmp import choose  # torch-free: the launcher needs no torch
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH_MP_RESULT "
 CPU_BATCH = 16  # default batch without a GPU (see the module docstring)
@@ -274,9 +276,10 @@ def torchrun_result(module: str, nproc: int, worker_args: list[str], threads: in
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "-m", module, "--worker", *worker_args]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py: no spinning on shared cores
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    # The wait policy train_mp.py would choose for these ranks (in-memory batches, no loader).
+    env.update(choose(0, "pytorch", {**env, "LOCAL_WORLD_SIZE": str(nproc)}).env)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)

@@ -32,7 +32,10 @@ import tempfile
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py
+if __name__ == "__main__":  # before torch loads OpenMP: as train.py (utils/openmp.py)
+    from utils.openmp import choose_before_torch
+
+    choose_before_torch(sys.argv[1:])
 
 import torch
 from torch.utils.data import DataLoader, Dataset

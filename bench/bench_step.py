@@ -40,8 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# The OpenMP setting train.py makes before torch loads (see there): time what it runs.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":
+    # Before torch loads OpenMP, the wait policy train.py chooses for --config (one process,
+    # one policy: the ladder's other rows run with it too; utils/openmp.py).
+    from utils.openmp import choose_before_torch
+
+    choose_before_torch(sys.argv[1:])
 
 import torch
 

@@ -21,6 +21,7 @@ from training.run_dirs import choose_run, compose, create_run, run_label
 from utils.allocator import keep_freed_memory
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.openmp import describe as describe_wait_policy
 from utils.precision import Precision, choose_precision
 
 log = logging.getLogger("train")
@@ -133,6 +134,8 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
     run_dir, why = choose_run_dir(cfg, layout.device)
     log.info(f"Run directory {run_dir} ({why})")
     log.info(describe_device(layout.device))
+    if layout.device.type == "cpu":
+        log.info(describe_wait_policy())  # chosen before torch loaded (utils/openmp.py)
     log.info(f"world size {world} ({layout.env.launcher} launcher), "
              f"global batch {global_}, local batch {local}")
     log_config(cfg)
