@@ -48,8 +48,8 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     run = build_training(cfg, ctx, layout, model, capturable=step.capturable)
     step.prepare(run)  # train_mp_graphs.py: capture the CUDA graph before the loop
     progress, startup = run.progress, StartupReport(cfg)
-    if progress.iters == 0:  # step 0: every curve starts from the untrained model
-        run.end_of_epoch()
+    if progress.iters == 0 and not cfg.skip_initial_validation:
+        run.end_of_epoch()  # step 0: every curve starts from the untrained model
     log.info(f"Starting training loop: {cfg.num_iters} iterations, "
              f"{run.steps_per_epoch} per epoch")
     for epoch in run.epochs():  # a resumed run continues mid-epoch

@@ -45,6 +45,7 @@ FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started"
 WHOLE_RUN = re.compile(r"Whole run: torch\.compile ([\d.]+) s for (\d+) graphs")
 EPOCH = re.compile(r"Time taken for epoch (\d+) is [\d.]+ sec, avg ([\d.]+) samples/sec")
 BATCH = re.compile(r"global batch (\d+), local batch")  # the run's, resolved at start
+VALIDATION = re.compile(r"Total validation time: ([\d.]+) sec")
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Result:
     compile_first: list[float] = field(default_factory=list)
     compile_total: list[float] = field(default_factory=list)
     samples_per_s: list[float] = field(default_factory=list)
+    validation: list[float] = field(default_factory=list)  # seconds per epoch's validation
     graphs: list[int] = field(default_factory=list)
     hits: list[int] = field(default_factory=list)
     batch: int = 0
@@ -118,6 +120,7 @@ def run_job(job: Job, num_iters: int, cache_dir: str, into: Result) -> None:
     later = [float(s) for e, s in EPOCH.findall(out) if int(e) > 1]
     if later:
         into.samples_per_s.append(statistics.median(later))
+    into.validation += [float(v) for v in VALIDATION.findall(out)]
     into.batch = int(BATCH.search(out).group(1))
     print(f"  {job.label}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr, flush=True)
 
@@ -147,14 +150,15 @@ def payoff(compile_s: float, eager: Result, compiled: Result) -> str:
 def print_table(results: dict[str, Result], num_iters: int, rounds: int) -> None:
     print(f"\njobs of {num_iters} iterations, medians of {rounds} interleaved rounds")
     print("| job | wall [s] | CPU [s] | time to first step [s] | compile before step 1 / "
-          "whole run [s] | graphs | cache hits | samples/s (epochs 2+) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "whole run [s] | graphs | cache hits | samples/s (epochs 2+) "
+          "| validation [s per epoch] |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in results.items():
         compile_s = (f"{med(r.compile_first)} / {med(r.compile_total)}"
                      if r.compile_first else "-")
         print(f"| {label} | {med(r.wall)} | {med(r.cpu)} | {med(r.first_step)} | {compile_s} | "
               f"{med(r.graphs, '{:.0f}')} | {med(r.hits, '{:.0f}')} | "
-              f"{med(r.samples_per_s)} |")
+              f"{med(r.samples_per_s)} | {med(r.validation, '{:.2f}')} |")
     if "eager bf16 + fused + prefetch" not in results:  # --wait_policy
         print_wait_policy(results)
         return

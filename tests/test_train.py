@@ -116,6 +116,7 @@ def test_out_log_holds_the_epoch_lines(learning_run):
     for line in EPOCH_LINES:
         assert text.count(line) == 6, line
     assert "Initial val loss=" in text and "CUDA not available" in text
+    assert "OpenMP wait policy: " in text  # chosen before torch loaded (utils/openmp.py)
 
 
 # ----------------------------------------------------------------- precision and speed flags
@@ -126,7 +127,8 @@ def short_run(run_train, *flags: str):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("flags, resolved", [
-    (("--amp_mode=bf16", "--num_data_workers=2"), {"amp_mode": "bf16", "num_data_workers": "2"}),
+    (("--amp_mode=bf16", "--num_data_workers=2", "--skip_initial_validation"),
+     {"amp_mode": "bf16", "num_data_workers": "2", "skip_initial_validation": "True"}),
     (("--amp_mode=fp16", "--enable_fused"), {"amp_mode": "fp16", "enable_fused": "True"}),
 ], ids=["bf16_autocast_with_two_data_workers", "fp16_autocast_with_grad_scaler_and_fused_adam"])
 def test_precision_and_loader_flags_train_and_reach_the_config(run_train, flags, resolved):
@@ -134,6 +136,8 @@ def test_precision_and_loader_flags_train_and_reach_the_config(run_train, flags,
     assert_completed(run, ITERS_PER_EPOCH, epochs=1)
     for key, value in resolved.items():
         assert config_value(run, key) == value
+    # --skip_initial_validation: the first step comes at once, no step-0 validation
+    assert ("Initial val loss=" in run.stdout) == ("--skip_initial_validation" not in flags)
 
 
 # torch.compile runs (cold and warm cache, what they log): test_compile_cache.py

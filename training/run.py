@@ -187,7 +187,7 @@ class Training:
             self.log.scalars(0, {"Loss/train": val["loss"]})
             log.info(f"Initial val loss={val['loss']:.6f}, RMSE(u10m)="
                      f"{val['rmse_u10m']:.4f} m/s (persistence "
-                     f"{val['persistence_rmse_u10m']:.4f} m/s)")
+                     f"{val['persistence_rmse_u10m']:.4f} m/s); validation {val_time:.2f} s")
         else:  # the epoch's mean loss, averaged over the data-parallel ranks for the log
             loss = p.loss_sum / max(p.step_count, 1)
             loss = comm.mean_over(loss.reshape(1), "dp").item()

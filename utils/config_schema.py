@@ -133,6 +133,9 @@ class TrainingKeys(Keys):
     enable_jit: Annotated[bool, Flag()] = Field(False, description="torch.compile the model")
     seed: Annotated[Seed, Flag()] = Field(
         0, description="seed of weights, data order and dropout")
+    skip_initial_validation: Annotated[bool, Flag()] = Field(
+        False, description="start training at once, without validating the untrained model "
+                           "(no step-0 point on the curves)")
 
 
 class RunKeys(Keys):
