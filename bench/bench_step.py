@@ -112,8 +112,9 @@ def ladder_cases(args: argparse.Namespace, paths: dict[str, str], log_dir: str,
     opt = f"{args.config}_opt"
     if opt in load_yaml(args.yaml_config):
         p = case_config(args, {}, paths, log_dir, config=opt)
-        if describe(p, device) == describe(cases[-1][1], device):  # the ladder's top
-            cases[-1] = (f"{cases[-1][0]} = {opt}", cases[-1][1])
+        same = [i for i, (_, c) in enumerate(cases) if describe(c, device) == describe(p, device)]
+        if same:  # a rung of the ladder: say which
+            cases[same[-1]] = (f"{cases[same[-1]][0]} = {opt}", cases[same[-1]][1])
         else:
             cases.append((f"{opt} as written ({describe(p, device)})", p))
     return cases
@@ -336,7 +337,8 @@ def limits_of(runners: list[StepRunner], mm: MatmulCeiling, budget: Budget
             continue
         ceilings[r.label] = ceiling.prepare()
     passes = sorted(g.nbytes for f in floors.values() for g in f.passes)
-    rates = MachineRates.measure(size_mb=passes[len(passes) // 2] / 3 / 2**20 if passes else 8)
+    typical = passes[len(passes) // 2] / 3 / 2**20 if passes else 8.0  # MB per operand
+    rates = MachineRates.measure(size_mb=max(typical, 0.25))
     for f in floors.values():
         f.rates = rates
     return ceilings, floors

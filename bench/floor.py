@@ -14,9 +14,11 @@ which is what a perfect fusing compiler could at best make of them:
   - it evaluates every transcendental function once per element (softmax's exp, GELU's
     erf, and erf and exp in its backward);
 and takes max(bytes / bandwidth, transcendentals / rate) with the machine's measured
-streaming bandwidth and exp/erf rate (`MachineRates`). Views cost nothing. The floor is
-the sum over the gaps. The optimizer has its own: Adam reads a parameter, its gradient and
-two moments and writes three of them back, 28 bytes per fp32 parameter.
+streaming bandwidth (at the size of the step's typical pass: the caches' when its tensors
+fit in them) and exp/erf rate (`MachineRates`). Views cost nothing. The floor is the sum
+over the gaps: a lower bound, since a pass that reads activations saved in the forward
+streams them from memory. The optimizer has its own: Adam reads a parameter, its gradient
+and two moments and writes three of them back, 28 bytes per fp32 parameter, from memory.
 """
 
 from __future__ import annotations
@@ -161,30 +163,38 @@ def _gap(ops: list[Op], start: int, end: int, readers: dict[int, list[int]]) -> 
 
 @dataclass
 class MachineRates:
-    """Streaming bandwidth (bytes/s: a fused read-read-write pass, as `torch.add`, over
-    operands of `size_mb`) and transcendental rate (evaluations/s: the fastest of PyTorch's
-    vectorised exp in fp32 and in bf16, and the erf of its GELU), both with every torch
-    thread, measured best of a few calls."""
+    """Streaming bandwidth (bytes/s: a fused read-read-write pass, as `torch.add`) over
+    operands of `size_mb` (the step's typical pass) and over operands far larger than any
+    cache (`memory_bandwidth`: what the optimizer's state streams at); transcendental rate
+    (evaluations/s: the fastest of PyTorch's vectorised exp in fp32 and in bf16, and the
+    erf of its GELU). All with every torch thread, best of a few calls."""
 
     bandwidth: float
     transcendental: float
     size_mb: float
+    memory_bandwidth: float = 0.0
 
     @classmethod
-    def measure(cls, size_mb: float = 48.0, tries: int = 5) -> MachineRates:
-        n = int(size_mb * 2**20 / 4)
-        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        add = _best(lambda: torch.add(a, b, out=c), tries)
+    def measure(cls, size_mb: float = 8.0, tries: int = 5) -> MachineRates:
+        bandwidth = _add_bandwidth(size_mb, tries)
+        memory = _add_bandwidth(256.0, 2)
         x, y = torch.randn(2**20), torch.empty(2**20)
         xb, yb = x.bfloat16(), y.bfloat16()
         rate = x.numel() / min(_best(lambda: torch.exp(x, out=y), tries),
                                _best(lambda: torch.exp(xb, out=yb), tries),
                                _best(lambda: torch._C._nn.gelu(x, out=y), tries))
-        return cls(3 * n * 4 / add, rate, size_mb)
+        return cls(bandwidth, rate, size_mb, memory)
 
     def describe(self) -> str:
-        return (f"{self.bandwidth / 1e9:.0f} GB/s streaming ({self.size_mb:.0f} MB operands), "
+        return (f"{self.bandwidth / 1e9:.0f} GB/s streaming ({self.size_mb:.0f} MB operands; "
+                f"{self.memory_bandwidth / 1e9:.0f} GB/s from memory), "
                 f"{self.transcendental / 1e9:.1f} G exp or erf per s")
+
+
+def _add_bandwidth(size_mb: float, tries: int) -> float:
+    n = int(size_mb * 2**20 / 4)
+    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+    return 3 * n * 4 / _best(lambda: torch.add(a, b, out=c), tries)
 
 
 def _best(fn: Callable[[], Any], tries: int) -> float:
@@ -219,7 +229,10 @@ class ElementwiseFloor:
                    for g in self.passes)
 
     def optimizer_seconds(self) -> float:
-        return self.params * ADAM_BYTES_PER_PARAM / self.rates.bandwidth
+        """Adam's state streams from memory: the step's activations pushed it out of the
+        caches."""
+        return self.params * ADAM_BYTES_PER_PARAM / (self.rates.memory_bandwidth
+                                                     or self.rates.bandwidth)
 
     def describe(self) -> str:
         mb = sum(g.nbytes for g in self.passes) / 1e6
