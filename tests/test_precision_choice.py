@@ -12,7 +12,9 @@ import re
 
 import pytest
 import torch
+from helpers import CONFIG_FILE
 
+from utils.config import load_yaml, read_config
 from utils.errors import ConfigError
 from utils.hardware import (
     ENV_OVERRIDE,
@@ -73,6 +75,18 @@ def test_a_bad_environment_value_is_a_one_line_config_error(value):
     (set(), "none"), ({"fp16"}, "none"), ({"bf16"}, "bf16"), ({"bf16", "fp16"}, "bf16")])
 def test_auto_on_a_cpu_is_bf16_only_where_bf16_is_native(native, expected):
     assert auto_amp_mode(CPU, CpuPrecision(frozenset(native), "injected")) == expected
+
+
+def test_no_cpu_opt_config_computes_in_a_precision_an_avx2_cpu_emulates():
+    """`_opt` never slower than the baseline on an AVX2-only CPU: every CPU `_opt` config
+    asks for `auto` (fp32 there) or fp32, never for a bf16 that CPU would emulate."""
+    avx2 = detect_native(AVX2_ONLY, "x86_64")
+    names = [n for n in load_yaml(CONFIG_FILE) if n.startswith("cpu_") and "opt" in n]
+    assert "cpu_short_opt" in names and "cpu_afno_short_opt" in names
+    for name in names:
+        mode = read_config(CONFIG_FILE, name, environ={}).amp_mode
+        assert mode in ("auto", "none") and (mode == "none" or
+                                             auto_amp_mode(CPU, avx2) == "none"), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
