@@ -21,7 +21,8 @@ The machine may be shared: rounds interleave the jobs, so that load hits all of 
 `--wait_policy` times instead how idle OpenMP threads wait (utils/openmp.py): <config> in
 the default environment (the policy train.py chooses), with OMP_WAIT_POLICY=ACTIVE (spin
 endlessly) and with OMP_WAIT_POLICY=PASSIVE (sleep at once), each without and with a loader
-worker process (`--num_data_workers 1`); per group, samples/s against ACTIVE's.
+worker process (`--num_data_workers 1`); per group, samples/s against ACTIVE's. With
+`--busy` every job runs next to one busy process, as on a machine shared with another job.
 """
 
 from __future__ import annotations
@@ -92,16 +93,22 @@ def wait_policy_jobs(config: str) -> list[Job]:
     return plan
 
 
-def run_job(job: Job, num_iters: int, cache_dir: str, into: Result) -> None:
+def run_job(job: Job, num_iters: int, cache_dir: str, into: Result, busy: bool = False
+            ) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_job_logs_") as logs:
         env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS}  # the job's own
         env.update(LOG_DIR=logs, TORCHINDUCTOR_CACHE_DIR=cache_dir, **job.env)
         cmd = [sys.executable, "train.py", *job.args, f"--num_iters={num_iters}"]
         if job.cache is not None:
             cmd.append("--enable_jit")  # already in an _opt config; makes any config compile
+        # --busy: another job's busy thread on the same cores, from before the job starts
+        other = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
         start, cpu = time.perf_counter(), children_cpu()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         wall, cpu = time.perf_counter() - start, children_cpu() - cpu
+        if other is not None:
+            other.kill()
+            other.wait()
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         sys.exit(f"error: `{' '.join(cmd)}` exited with {proc.returncode}:\n{out[-3000:]}")
@@ -188,10 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--wait_policy", action="store_true",
                    help="time OpenMP wait policies instead (module docstring)")
+    p.add_argument("--busy", action="store_true",
+                   help="run every job next to one busy process (a Python loop): a machine "
+                   "shared with another job")
     args = p.parse_args(argv)
     from utils.hardware import cpu_name  # after argparse: --help stays fast
 
-    print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f} at the start"
+          + ("; every job next to one busy process (--busy)" if args.busy else ""))
     plan = (wait_policy_jobs(args.config) if args.wait_policy else
             jobs(args.config, args.opt_config or f"{args.config}_opt"))
     results = {job.label: Result() for job in plan}
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="bench_job_cache_") as cache:
             k = r % len(plan) if args.wait_policy else 0  # compile jobs: cold before warm
             for job in plan[k:] + plan[:k]:
-                run_job(job, args.num_iters, cache, results[job.label])
+                run_job(job, args.num_iters, cache, results[job.label], args.busy)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print_table(results, args.num_iters, args.rounds)
 

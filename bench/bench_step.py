@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     budget = Budget(args.budget_s)
     clock.use(args.clock)
     # Inductor's C++ kernels report themselves to the profiler (a flag check each call
-    # otherwise), so that the split can name them (bench/time_split.py).
-    import torch._inductor.config
-
-    torch._inductor.config.cpp.enable_kernel_profile = True
+    # otherwise), so that the split can name them (bench/time_split.py). Set in the
+    # environment: importing torch._inductor.config now would also fix Inductor's cache at
+    # its /tmp default, before the run chooses its own (utils/compile_cache.py).
+    os.environ.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")
     imports_s = budget.elapsed()
     ddp_s = min(90.0, 0.25 * args.budget_s) if args.table and args.ddp_ranks > 1 else 0.0
     budget.seconds -= ddp_s  # kept for the DDP row, launched last
