@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from utils.openmp import choose  # torch-free: the launcher needs no torch
+from utils.openmp import available_cores, choose  # torch-free: the launcher needs no torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH_MP_RESULT "
@@ -245,13 +245,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def launch(args: argparse.Namespace, tp: int) -> dict[str, Any]:

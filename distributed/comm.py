@@ -44,6 +44,7 @@ from distributed.launch_env import LaunchEnv, resolve_launch_env
 from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
 from utils.errors import ConfigError, LaunchError
+from utils.openmp import threads_per_process
 
 GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
 # "mp" is a name, not an axis: the group of all model-parallel axes.
@@ -275,18 +276,13 @@ def shared_gpu_problem(nccl_error: str) -> str | None:
 
 
 def cpu_threads(env: LaunchEnv, environ: Any = None) -> int:
-    """Intra-op threads for a CPU process: OMP_NUM_THREADS if set, else the CPUs SLURM gave
-    the task, else the cores shared evenly by the processes on this node (several ranks
-    with all cores each would oversubscribe the machine)."""
+    """Intra-op threads for a CPU process (`utils.openmp.threads_per_process`, the rule the
+    OpenMP wait policy counts with), given how many ranks share this node."""
     environ = os.environ if environ is None else environ
-    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
-        if environ.get(key, "").isdigit() and int(environ[key]) > 0:
-            return int(environ[key])
     per_node = environ.get("LOCAL_WORLD_SIZE") or environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
     if per_node is None and env.distributed:
         per_node = str(env.world_size)  # unknown layout: assume one node
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, int(per_node or 1)))
+    return threads_per_process(environ, int(per_node or 1))
 
 
 # ----------------------------------------------------------------------------- agreements

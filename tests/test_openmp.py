@@ -70,3 +70,12 @@ def test_a_command_line_that_does_not_parse_is_left_to_the_script(argv, monkeypa
     monkeypatch.setattr(openmp, "_chosen", None)
     env: dict[str, str] = {}
     assert choose_before_torch(argv, environ=env).env == {} and env == {}
+
+
+def test_the_policy_counts_threads_as_the_ranks_get_them():
+    """One rule for threads per process (`threads_per_process`, which distributed.comm sets
+    torch's threads from): a SLURM task of one CPU has no pool that waits."""
+    environ = {"SLURM_CPUS_PER_TASK": "1"}
+    assert openmp.threads_per_process(environ, ranks_per_node=1, cores=8) == 1
+    assert choose(0, "pytorch", environ=environ, cores=8).env == {}
+    assert openmp.threads_per_process({}, ranks_per_node=4, cores=8) == 2

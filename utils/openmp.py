@@ -6,7 +6,7 @@ Between two of them the pool's threads either spin, holding their core and start
 next region at once, or sleep in the kernel, giving the core away and taking tens of
 microseconds to wake. Spinning is faster when the training threads have the cores to
 themselves. When something else needs those cores, a spinning thread holds the core its
-partner thread (or the loader) needs, and a 2-thread step once ran 2-4x slower.
+partner thread (or the loader) needs, and the step runs several times slower.
 
     the training threads alone on their cores     ->  SPIN: libgomp's bounded spin (below)
     something busy shares them: other processes already running when the run starts,
@@ -62,9 +62,21 @@ def _int(environ: Mapping[str, str], key: str) -> int | None:
 
 
 def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def threads_per_process(environ: Mapping[str, str], ranks_per_node: int,
+                        cores: int | None = None) -> int:
+    """Intra-op threads of one CPU process: OMP_NUM_THREADS if set, else the CPUs SLURM gave
+    the task, else the cores shared evenly by the node's ranks (several ranks with all cores
+    each would oversubscribe the machine). distributed.comm sets torch's threads from it."""
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        if (n := _int(environ, key)) is not None:
+            return n
+    return max(1, (cores or available_cores()) // max(1, ranks_per_node))
 
 
 def busy_elsewhere(samples: int = 5, interval: float = 0.01) -> int:
@@ -106,7 +118,7 @@ def choose(workers: int, loader: str, environ: Mapping[str, str] | None = None,
                           + ")")
     cores = cores or available_cores()
     ranks = next((n for n in map(lambda k: _int(environ, k), RANKS_PER_NODE) if n), 1)
-    threads = _int(environ, "OMP_NUM_THREADS") or max(1, cores // ranks)
+    threads = threads_per_process(environ, ranks, cores)
     if threads == 1 and loader != "dali":
         return WaitPolicy({}, "one OpenMP thread per process: no pool that waits")
     others = sharers(loader, ranks, threads, cores, busy)
