@@ -49,6 +49,7 @@ import train_mp
 from training.main import run_main
 from training.run import Training
 from training.step import Step, forward_backward, optimizer_step
+from utils.errors import ConfigError
 from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train_mp_graphs")
@@ -173,7 +174,10 @@ def split_graph_args(argv: list[str] | None) -> tuple[list[str], int]:
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, a in enumerate(argv):
         if a == "--graph_warmup" or a.startswith("--graph_warmup="):
-            value = a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1:] or [""])[0]
+            if not value.isdigit():
+                raise ConfigError(f"--graph_warmup {value!r}: expected the number of eager "
+                                  "warm-up steps before capture, an integer >= 0")
             del argv[i:i + (1 if "=" in a else 2)]
             return argv, int(value)
     return argv, 20

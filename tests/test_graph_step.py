@@ -67,3 +67,14 @@ def test_the_graph_is_released_however_the_run_ends(graphs, monkeypatch, ending)
     steps[0].release()  # a second release does nothing
     assert graph.resets == 1
     assert isinstance(steps[0], graphs.GraphedStep)
+
+
+@pytest.mark.parametrize("argv", [["--graph_warmup", "many"], ["--graph_warmup=-1"],
+                                  ["--config=tiny", "--graph_warmup"]])
+def test_a_bad_graph_warmup_is_one_line_naming_the_flag(argv):
+    from train_mp_graphs import split_graph_args
+    from utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--graph_warmup '.*': expected .* an integer >= 0$"):
+        split_graph_args(argv)
+    assert split_graph_args(["--graph_warmup", "7", "--config=tiny"]) == (["--config=tiny"], 7)
