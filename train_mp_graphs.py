@@ -29,8 +29,8 @@ Without a GPU it says so and runs train_mp.py's step eagerly.
 
 if __name__ == "__main__":
     # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
-    # with one line and exit code 3, not silently (training/signals.py).
-    # Then, before torch loads OpenMP, how its idle threads wait (utils/openmp.py).
+    # with one line and exit code 3, not silently (training/signals.py). Then, before torch
+    # loads OpenMP, how its idle threads wait: by what shares the cores (utils/openmp.py).
     import sys
 
     from training.signals import stop_during_startup
