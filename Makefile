@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DATA_DIR ?= data/synthetic
+DATA_DIR ?= datasets/synthetic
 CONFIG ?= cpu_short
 
 # The unit tier is every test without a tier marker (pyproject.toml lists the markers).
@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 venv: $(VENV)/.installed
 
 $(DATA_DIR)/stats/time_means.npy: | $(VENV)/.installed
-	$(PY) -m utils.data.synthetic --out $(DATA_DIR)
+	$(PY) -m data.synthetic --out $(DATA_DIR)
 
 data: $(DATA_DIR)/stats/time_means.npy
 

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 
 import networks
+from data.era5_names import wb2_label
+from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
 from distributed.layout import MODEL_PARALLEL_KEYS, Layout
@@ -59,8 +61,8 @@ from evaluation.forecast_skill import (
     write_json,
 )
 from evaluation.references import References
-from evaluation.rollout import rollout
 from evaluation.scores import Normaliser, whole_field
+from networks.rollout import rollout
 from training.checkpoint import (
     checkpoint_dir,
     latest_checkpoint,
@@ -68,12 +70,10 @@ from training.checkpoint import (
     read_checkpoint,
 )
 from training.logs import config_logger, log_to_file
-from training.main import run_main
 from training.run_dirs import newest_checkpointed
+from training.script_exit import run_main
 from utils.config import add_flags, read_config, saved_config
 from utils.config_schema import Config
-from utils.data.era5_names import wb2_label
-from utils.data.forecast import InitialCondition, RolloutData
 from utils.errors import CheckpointError, ConfigError
 from utils.precision import Precision, choose_precision
 

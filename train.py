@@ -28,8 +28,8 @@ import time
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport
-from training.main import run_main
 from training.run import build_model, build_training
+from training.script_exit import run_main
 from training.setup import peak_memory_gb, start_run
 from training.step import Step
 from utils.config import load_config

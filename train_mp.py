@@ -36,7 +36,7 @@ import sys
 
 import train
 from distributed.layout import Layout
-from training.main import run_main
+from training.script_exit import run_main
 from training.step import Step
 from utils.config import load_config
 

@@ -46,8 +46,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import train_mp
-from training.main import run_main
 from training.run import Training
+from training.script_exit import run_main
 from training.step import Step, forward_backward, optimizer_step
 from utils.errors import ConfigError
 from utils.model_wrappers import uncompiled

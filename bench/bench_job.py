@@ -1,7 +1,7 @@
 """What a learner waits for: whole `python train.py` jobs, timed from process start to exit,
 with torch.compile's cache cold and warm.
 
-    DATA_DIR=data/synthetic python -m bench.bench_job                 # 128 iterations, 2 rounds
+    DATA_DIR=datasets/synthetic python -m bench.bench_job                 # 128 iterations, 2 rounds
     python -m bench.bench_job --num_iters 32 --rounds 1 --config cpu_short
     python -m bench.bench_job --wait_policy --num_iters 64 --rounds 3   # OpenMP waiting
 

@@ -1,6 +1,6 @@
 """Data loader throughput alone (no model): the PyTorch loader vs the DALI loader.
 
-    DATA_DIR=data/synthetic python -m bench.bench_loader --config cpu_short
+    DATA_DIR=datasets/synthetic python -m bench.bench_loader --config cpu_short
     python -m bench.bench_loader --workers 0 2 --epochs 4 --step_samples_per_sec 40
 
 For each loader and worker count it reads whole training epochs, as train.py does (set_epoch,
@@ -19,9 +19,9 @@ import argparse
 import statistics
 import time
 
+from data.loader import get_loader
 from utils.config import read_config
 from utils.config_schema import Config
-from utils.data.loader import get_loader
 
 LOADERS = ("pytorch", "pytorch+thread", "dali")
 

@@ -1,7 +1,7 @@
 """Our training step against the same step as the NERSC SC24 tutorial's reference
 implementation writes it, one difference at a time, interleaved in one process.
 
-    DATA_DIR=data/synthetic python -m bench.bench_reference --config cpu_short \
+    DATA_DIR=datasets/synthetic python -m bench.bench_reference --config cpu_short \
         --amp_mode auto --enable_fused
 
 The reference's step differs from ours in four implementation choices (same model, same

@@ -1,7 +1,7 @@
 """Where does a training step's time go, and how close is it to the hardware? One process,
 every timing interleaved.
 
-    DATA_DIR=data/synthetic python -m bench.bench_step --config cpu_short
+    DATA_DIR=datasets/synthetic python -m bench.bench_step --config cpu_short
     python -m bench.bench_step --config cpu_short --amp_mode auto --enable_fused --enable_jit
     python -m bench.bench_step --config cpu_short --table --budget_s 120   # docs/benchmarks.md
 
@@ -25,7 +25,7 @@ Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model 
 Every setting is started by `training.setup.start_run`, built by `training.run.build_model`
 and `build_training`, and steps with `training.step.Step`, exactly as train.py runs them.
 Without a data set under the config's data_dir (or DATA_DIR) the loader reads a small
-temporary one made by `utils.data.synthetic`.
+temporary one made by `data.synthetic`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from data.synthetic import generate
 from utils.config import DATA_PATH_KEYS, flags_given, read_config
 from utils.config_schema import Config
-from utils.data.synthetic import generate
 from utils.hardware import cpu_name
 
 

@@ -10,7 +10,7 @@ evaluation (and anyone's xarray code) can read and score them.
                           it; the HDF5 files run north to south)
     longitude             degrees east
 
-Variables carry WeatherBench-2's names (utils/data/era5_names.py: `geopotential`,
+Variables carry WeatherBench-2's names (data/era5_names.py: `geopotential`,
 `2m_temperature`, ...) in physical units (a `units` attribute each); geopotential is in
 m2/s2. Chunks hold one field of one initial condition and lead. The store is created once
 (`create_store`, world rank 0) and every writing rank fills its initial conditions'
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from utils.data.era5_names import CHANNELS
-from utils.data.grid import Grid
+from data.era5_names import CHANNELS
+from data.grid import Grid
 
 HOURS = np.timedelta64(1, "h")
 

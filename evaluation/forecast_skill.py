@@ -4,7 +4,7 @@ of the baselines every weather model is measured against.
     model        the autoregressive forecast x_k = model(x_{k-1}) from the initial state x_0
     persistence  "nothing changes": the forecast for every lead is x_0
     climatology  "the usual weather for the date and hour": the data set's seasonal and
-                 diurnal climatology at each valid time (utils/data/climatology.py)
+                 diurnal climatology at each valid time (data/climatology.py)
     time_mean    "the average weather": time_means, one field for every date and hour
 
 ACC measures anomalies against the climatology (so its ACC is 0 by definition, not 0/0);
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.era5_names import HEADLINE
+from data.era5_names import channel as channel_info
 from evaluation.scores import weighted_acc_channels, weighted_mse_channels
-from utils.data.era5_names import HEADLINE
-from utils.data.era5_names import channel as channel_info
 from utils.tile import Tile
 
 FORECASTS = ("model", "persistence", "climatology", "time_mean")

@@ -1,7 +1,7 @@
 """What a rollout is scored against besides the truth, in the units the scores work in.
 
 The channels scored are the data's (normalised with the global means and stds) and, when
-the data set has its climatology (stats/climatology.npz, utils/data/climatology.py), the
+the data set has its climatology (stats/climatology.npz, data/climatology.py), the
 derived 10 m wind speed `ws10` that WeatherBench-2 reports, in m/s (scale 1). References:
 
   - the climatology at each valid time (year fraction and hour of day of the sample), the
@@ -20,10 +20,10 @@ import os
 import numpy as np
 import torch
 
+from data.climatology import basis, load_climatology
+from data.era5_names import WIND_COMPONENTS, WIND_SPEED
 from evaluation.scores import Normaliser
 from utils.config_schema import Config
-from utils.data.climatology import basis, load_climatology
-from utils.data.era5_names import WIND_COMPONENTS, WIND_SPEED
 from utils.tile import Tile
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Latitude weights and regions, as WeatherBench-2 defines them.
 
 Weights: the area of each row's cell on the sphere, from the latitudes the data records
-(utils/data/grid.py). A row's cell spans from the midpoint to its neighbour on either side;
+(data/grid.py). A row's cell spans from the midpoint to its neighbour on either side;
 the first and last rows' cells reach the poles. Its area is proportional to
 sin(upper bound) - sin(lower bound), and the weights are normalised to mean 1 over the rows
 scored (WeatherBench-2's `get_lat_weights`, which needs latitudes in ascending order; here
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from utils.data.grid import Grid
+from data.grid import Grid
 
 REGIONS: tuple[tuple[str, float, float], ...] = (
     ("global", -90.0, 90.0),

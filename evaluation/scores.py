@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.dataset import load_stats, load_stds, score_grid
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor
 from networks.loss import l2_loss
 from utils.config_schema import Config
-from utils.data.dataset import load_stats, load_stds, score_grid
 from utils.errors import DataError
 from utils.precision import Precision
 from utils.tile import Tile

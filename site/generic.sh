@@ -41,7 +41,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHON
 # Data (train/valid/test/stats, e.g. from `make data`) and logs; both replace the config's paths.
-export DATA_DIR="${DATA_DIR:-$_repo/data/synthetic}"
+export DATA_DIR="${DATA_DIR:-$_repo/datasets/synthetic}"
 export LOG_DIR="${LOG_DIR:-$_repo/logs}"
 # torch.compile's caches (--enable_jit, e.g. cpu_short_opt): unset, they live in
 # $LOG_DIR/torch_compile_cache, which every task and every later job of the same config reuse.

@@ -62,7 +62,7 @@ def flip_tensor_byte(path: Path) -> None:
 def first_batch_rows(params, rank: int, world: int) -> set[tuple[str, int]]:
     """(file name, row) of every field row that rank `rank` of `world` reads for its first
     training batch (epoch 1): inputs and targets."""
-    from utils.data.dataset import dataset_and_sampler
+    from data.dataset import dataset_and_sampler
 
     ds, sampler = dataset_and_sampler(params, params.train_data_path, True, world, rank,
                                       batch_size=params.local_batch_size)

@@ -72,7 +72,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny synthetic data set (16x32, 24 samples per year; 2 train, 1 valid, 1 test
     year) in the ERA5 layout: <dir>/{train,valid,test}/<year>.h5 and <dir>/stats/*.npy."""
-    from utils.data.synthetic import generate
+    from data.synthetic import generate
 
     out = tmp_path_factory.mktemp("tiny_data")
     generate(out, img_size=TINY_IMG_SIZE, samples_per_year=TINY_SAMPLES_PER_YEAR,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.data.era5_names import CHANNEL_NAMES, CHANNELS
+from data.era5_names import CHANNEL_NAMES, CHANNELS
 
 EPOCH = np.datetime64("1970-01-01T00", "h")
 HOUR = np.timedelta64(1, "h")

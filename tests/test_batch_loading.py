@@ -1,5 +1,5 @@
-"""Batch-at-once reading (utils/data/batch_read.py) and the prefetch thread
-(utils/data/prefetch.py): the same batches as one sample at a time, and resume stays exact.
+"""Batch-at-once reading (data/batch_read.py) and the prefetch thread
+(data/prefetch.py): the same batches as one sample at a time, and resume stays exact.
 
 Reference: `ERA5Dataset.__getitem__` (two HDF5 reads and numpy normalisation per sample),
 stacked. The DALI loader is compared with the batched PyTorch loader in
@@ -25,11 +25,11 @@ from helpers import (
     run_script,
 )
 
-from utils.data import batch_read
-from utils.data.batch_read import read_batch, runs
-from utils.data.loader import ERA5Dataset, get_data_loader, get_loader
-from utils.data.mapped import mapped_fields
-from utils.data.prefetch import PrefetchLoader
+from data import batch_read
+from data.batch_read import read_batch, runs
+from data.loader import ERA5Dataset, get_data_loader, get_loader
+from data.mapped import mapped_fields
+from data.prefetch import PrefetchLoader
 from utils.errors import DataError
 
 N = TINY_SAMPLES_PER_YEAR

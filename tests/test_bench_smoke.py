@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import REPO, TINY_IMG_SIZE, child_env
 
+from data.synthetic import generate
 from networks.kernels import MATH_PATH_MAX_SCORES, attention, math_attention
 from networks.vit import VisionTransformer
-from utils.data.synthetic import generate
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves

@@ -56,7 +56,7 @@ def test_merge_keys_resolve_through_the_anchor_chain_cpu_bs64_opt_cpu_opt_cpu_ba
             p.enable_fused) == ("dali", 2, "auto", 1200, True)
     # from cpu_base
     assert (p.img_size, p.embed_dim, p.depth, p.expdir) == ([64, 128], 192, 6, "logs")
-    assert p.train_data_path == "data/synthetic/train"
+    assert p.train_data_path == "datasets/synthetic/train"
     # from base
     assert (p.dt, p.optimizer, p.betas, p.patch_size, p.num_heads) == (1, "Adam", [0.9, 0.95],
                                                                       8, 8)
@@ -186,7 +186,7 @@ def test_DATA_DIR_relocates_every_data_path_and_LOG_DIR_replaces_expdir():
 
 def test_without_DATA_DIR_or_LOG_DIR_the_config_paths_are_kept():
     p = params_for("cpu_base", {"DATA_DIR": "", "LOG_DIR": ""})
-    assert p.train_data_path == "data/synthetic/train" and p.expdir == "logs"
+    assert p.train_data_path == "datasets/synthetic/train" and p.expdir == "logs"
 
 
 def test_environment_overrides_come_from_os_environ_by_default(monkeypatch):

@@ -1,4 +1,4 @@
-"""utils/data/checks.py on real files: statistics that cannot normalise, fields of another
+"""data/checks.py on real files: statistics that cannot normalise, fields of another
 type read as float32 identically by the PyTorch and DALI loaders, a damaged compressed
 chunk named by file and sample (also from a DataLoader worker process), and the scan that
 names the sample behind a NaN/inf loss. End-to-end runs of the same cases: test_errors.py.
@@ -13,9 +13,9 @@ import pytest
 import torch
 from bad_data import copy_data, damage_chunk, rewrite, set_value
 
-from utils.data.checks import BatchScan, check_stats
-from utils.data.dataset import load_stats, load_stds
-from utils.data.loader import get_data_loader, get_loader
+from data.checks import BatchScan, check_stats
+from data.dataset import load_stats, load_stds
+from data.loader import get_data_loader, get_loader
 from utils.errors import DataError, from_worker, message_of
 
 
@@ -85,7 +85,7 @@ def test_fields_of_another_type_give_float32_batches_alike_in_both_loaders(
     data = copy_data(tiny_data, tmp_path / "data")
     stored = {year: rewrite(data / "train" / f"{year}.h5", dtype=dtype) for year in (2016, 2017)}
     tiny_params = point_at(tiny_params, data)
-    with caplog.at_level(logging.INFO, logger="utils.data.checks"):
+    with caplog.at_level(logging.INFO, logger="data.checks"):
         torch_loader, dataset, torch_sampler = get_data_loader(
             tiny_params, tiny_params.train_data_path, True,
             batch_size=tiny_params.local_batch_size)
@@ -113,7 +113,7 @@ def test_one_notice_per_stored_type_in_a_process(tiny_params, tiny_data, tmp_pat
     for split, year in (("train", 2016), ("train", 2017), ("valid", 2018)):
         rewrite(data / split / f"{year}.h5", dtype="u2")
     tiny_params = point_at(tiny_params, data)
-    with caplog.at_level(logging.INFO, logger="utils.data.checks"):
+    with caplog.at_level(logging.INFO, logger="data.checks"):
         get_data_loader(tiny_params, tiny_params.train_data_path, True,
                         batch_size=tiny_params.local_batch_size)
         get_data_loader(tiny_params, tiny_params.valid_data_path, False,

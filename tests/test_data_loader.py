@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR, one_line
 
-from utils.data.loader import ERA5Dataset, get_data_loader
+from data.loader import ERA5Dataset, get_data_loader
 from utils.errors import DataError
 
 N = TINY_SAMPLES_PER_YEAR

@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import REPO, child_env
 
-from training.main import run_main
-from utils.data.dali import DALIUnavailableError, get_data_loader_dali
-from utils.data.loader import get_data_loader
+from data.dali import DALIUnavailableError, get_data_loader_dali
+from data.loader import get_data_loader
+from training.script_exit import run_main
 from utils.errors import EXIT_USER_ERROR
 
 ATOL = 1e-6
@@ -161,7 +161,7 @@ def test_workers_exit_with_the_process(tiny_data):
     """A script that never calls close() (like train.py) leaves no worker processes behind."""
     script = (
         "from utils.config import read_config\n"
-        "from utils.data.dali import get_data_loader_dali\n"
+        "from data.dali import get_data_loader_dali\n"
         f"p = read_config({str(REPO / 'config' / 'ViT.yaml')!r}, 'tiny')\n"
         "p = p.replace(num_data_workers=1)\n"
         "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, True, batch_size=4)\n"

@@ -42,7 +42,7 @@ from helpers import (
     run_script,
 )
 
-from utils.data.loader import get_data_loader
+from data.loader import get_data_loader
 
 ITERS = TINY_ITERS       # two epochs of the tiny config: 32 samples / global batch 4
 GLOBAL_BATCH = 4

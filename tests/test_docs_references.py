@@ -43,14 +43,14 @@ from helpers import REPO
 PAGES = ["README.md", "tests/README.md",
          *(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")))]
 
-PACKAGES = {"utils", "networks", "distributed", "evaluation", "training", "bench", "tools"}
+PACKAGES = {"utils", "data", "networks", "distributed", "evaluation", "training", "bench", "tools"}
 SCRIPTS = {"train", "train_mp", "train_mp_graphs", "inference"}
 REPO_SUFFIXES = {".py", ".sh", ".md", ".yaml", ".toml", ".txt", ".png"}
 CODE_SUFFIXES = {".py", ".sh", ".md", ".yaml", ".toml", ".txt"}
 # Last parts of a dotted word that make it a file name, not a module path (`inference.log`).
 FILE_TYPES = {s.lstrip(".") for s in REPO_SUFFIXES} | {
     "log", "csv", "json", "pt", "npy", "h5", "out", "yml", "cfg", "ini", "html", "whl"}
-RUNTIME_DIRS = {"logs", "data", ".venv"}
+RUNTIME_DIRS = {"logs", "datasets", ".venv"}
 PLACEHOLDER = set("<>$%*?{}[]~@") | {"...", "://"}
 
 FENCE = re.compile(r"^(```+)[^\n]*\n(.*?)^\1\s*$", re.M | re.S)

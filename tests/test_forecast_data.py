@@ -1,4 +1,4 @@
-"""utils/data/forecast.py on the tiny synthetic data set (real HDF5 files): which initial
+"""data/forecast.py on the tiny synthetic data set (real HDF5 files): which initial
 conditions a rollout starts from, and that the truth it is scored against is exactly what
 the training loader serves."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
-import utils.data.grid as grid_module
-from utils.data.dataset import ERA5Dataset
-from utils.data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
-from utils.data.synthetic import CHANNEL_NAMES
+import data.grid as grid_module
+from data.dataset import ERA5Dataset
+from data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
+from data.synthetic import CHANNEL_NAMES
 from utils.errors import DataError
 
 

@@ -1,4 +1,4 @@
-"""evaluation/forecast_skill.py and evaluation/rollout.py against independent computations.
+"""evaluation/forecast_skill.py and networks/rollout.py against independent computations.
 
 The reference scores below are plain Python loops over initial conditions, leads, channels
 and grid points, in float64, on de-normalised (physical) fields, with WeatherBench-2's
@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import lat_weights, reference_scores, run_distributed
 
+from data.grid import tutorial_grid
 from evaluation.forecast_skill import (
     CSV_COLUMNS,
     FORECASTS,
@@ -33,8 +34,7 @@ from evaluation.forecast_skill import (
     write_json,
 )
 from evaluation.regions import region_weights
-from evaluation.rollout import rollout
-from utils.data.grid import tutorial_grid
+from networks.rollout import rollout
 
 B, L, C, H, W = 5, 4, 3, 7, 10  # odd H: one row on the equator
 NAMES = ["u10", "t2m", "z500"]

@@ -1,4 +1,4 @@
-"""The import layers hold: training > evaluation > distributed > networks > utils, no product
+"""The import layers hold: training > evaluation > distributed > networks > data > utils, no
 module imports a script, benchmark or tool, and the networks read no process groups
 (import-linter contracts in pyproject.toml)."""
 
@@ -29,7 +29,8 @@ def test_the_tree_keeps_every_import_contract() -> None:
 
 def test_a_utils_module_importing_a_model_breaks_the_contract(tmp_path: Path) -> None:
     """The check has teeth: the same contracts on a copy of the tree with one bad import."""
-    for name in ("pyproject.toml", "utils", "networks", "distributed", "evaluation", "training",
+    for name in ("pyproject.toml", "utils", "data", "networks", "distributed", "evaluation",
+                 "training",
                  "bench", "tools"):
         src = REPO / name
         if src.is_dir():

@@ -14,6 +14,8 @@ import pytest
 import torch
 from helpers import TINY_IMG_SIZE, lat_weights
 
+from data.grid import Grid, crop_to, tutorial_grid
+from data.synthetic import grid_of
 from evaluation.regions import REGIONS, cell_areas, latitude_weights, region_weights
 from evaluation.scores import (
     l2_loss,
@@ -21,8 +23,6 @@ from evaluation.scores import (
     weighted_mse_channels,
     weighted_rmse_channels,
 )
-from utils.data.grid import Grid, crop_to, tutorial_grid
-from utils.data.synthetic import grid_of
 
 RTOL, ATOL = 1e-5, 1e-6
 B, C, H, W = 3, 4, 17, 24  # odd H: a row on the equator

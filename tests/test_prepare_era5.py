@@ -1,4 +1,4 @@
-"""utils/data/prepare_era5.py on ERA5 sources made here in the public layouts
+"""data/prepare_era5.py on ERA5 sources made here in the public layouts
 (tests/era5_stores.py): WeatherBench-2 / ARCO-ERA5 Zarr stores and CDS NetCDF files, run
 as a user runs it (its `main`, in this process; the CLI itself in the e2e tests).
 
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from era5_stores import cds_netcdf, grid, known, wb2_zarr
 
-from utils.data import prepare_era5
-from utils.data.climatology import basis
-from utils.data.era5_names import CHANNEL_NAMES
-from utils.data.statistics import PartialSums
+from data import prepare_era5
+from data.climatology import basis
+from data.era5_names import CHANNEL_NAMES
+from data.statistics import PartialSums
 from utils.errors import DataError
 
 
@@ -225,9 +225,9 @@ def test_a_finished_year_is_skipped_and_a_half_written_one_redone(arco, tmp_path
 def test_the_loaders_read_the_prepared_data(tmp_path):
     from helpers import CONFIG_FILE
 
+    from data.dataset import ERA5Dataset
+    from data.forecast import RolloutData
     from utils.config import read_config
-    from utils.data.dataset import ERA5Dataset
-    from utils.data.forecast import RolloutData
 
     source = wb2_zarr(tmp_path / "era5.zarr", [2016, 2017, 2018], rows=9, cols=12, days=2)
     out = tmp_path / "out"

@@ -9,8 +9,8 @@ import re
 
 from helpers import CONFIG_FILE, REPO
 
+from data.synthetic import generate
 from utils.config import read_config
-from utils.data.synthetic import generate
 
 README = (REPO / "README.md").read_text()
 # The README is the map (each step with one measured number); the measurements are in docs/.

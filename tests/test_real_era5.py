@@ -26,7 +26,7 @@ TIMEOUT = 300
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "utils.data.prepare_era5", *args]
+    cmd = [sys.executable, "-m", "data.prepare_era5", *args]
     return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)
 

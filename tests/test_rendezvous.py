@@ -39,7 +39,7 @@ SLACK = 10.0  # seconds for an interpreter to print and exit on a busy 2-core ma
 CONNECT = 3.0  # DIST_CONNECT_TIMEOUT_SEC in these tests
 # A rank of a job, as the train scripts start one: run_main(comm.init_process). "ready"
 # marks the end of the imports, where the clock starts.
-DRIVER = ("from distributed import comm\nfrom training.main import run_main\n"
+DRIVER = ("from distributed import comm\nfrom training.script_exit import run_main\n"
           "print('ready', flush=True)\nrun_main(lambda argv: comm.init_process(), [])\n")
 
 

@@ -28,12 +28,12 @@ from helpers import (
     run_script,
 )
 
+from data.dataset import ERA5Dataset
 from networks.loss import l2_loss
 from networks.vit import VisionTransformer
 from training.profiling import StepProfiler
 from training.step import Step, rollout_loss
 from utils.config import read_config
-from utils.data.dataset import ERA5Dataset
 from utils.errors import CheckpointError, ConfigError
 from utils.precision import Precision
 

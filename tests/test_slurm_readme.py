@@ -68,7 +68,7 @@ def _repo_copy(dest: Path) -> Path:
     anywhere = shutil.ignore_patterns("__pycache__", ".pytest_cache", ".ruff_cache", "*.out")
 
     def ignore(directory: str, names: list[str]) -> set[str]:
-        top = {".venv", ".git", "data", "logs"} if Path(directory) == REPO else set()
+        top = {".venv", ".git", "datasets", "logs"} if Path(directory) == REPO else set()
         return set(anywhere(directory, names)) | (top & set(names))
 
     shutil.copytree(REPO, dest, ignore=ignore)
@@ -79,7 +79,7 @@ def _repo_copy(dest: Path) -> Path:
 def cpu_data(tmp_path_factory) -> Path:
     """The CPU configs' grid (64 x 128), few samples: 2 x 72 training, 72 validation and
     72 test samples, enough for cpu_mp's batch of 64 and a 2-day forecast."""
-    from utils.data.synthetic import generate
+    from data.synthetic import generate
 
     out = tmp_path_factory.mktemp("cpu_data")
     generate(out, img_size=(64, 128), samples_per_year=72, train_years=2, valid_years=1,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
 
+from data.grid import tutorial_grid
 from distributed import comm
 from distributed.spatial import gather_image, scatter_image, tile_bounds
 from evaluation.regions import region_weights
@@ -24,7 +25,6 @@ from evaluation.scores import (
 )
 from networks.loss import l2_loss as serial_l2_loss
 from utils.config import read_config
-from utils.data.grid import tutorial_grid
 from utils.tile import Tile
 
 RTOL = 1e-5  # of the serial value's largest entry

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR, child_env
 
-import utils.data.synthetic as sd
-from utils.data.synthetic import CHANNEL_NAMES, generate
+import data.synthetic as sd
+from data.synthetic import CHANNEL_NAMES, generate
 
 YEAR = TINY_SAMPLES_PER_YEAR  # samples in one file: one continuous trajectory
 
@@ -161,7 +161,7 @@ def test_idempotent_and_force(tmp_path, monkeypatch, capsys):
 @pytest.mark.e2e
 def test_cli(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "utils.data.synthetic", "--out", str(out), "--img_size", "8",
+    cmd = [sys.executable, "-m", "data.synthetic", "--out", str(out), "--img_size", "8",
            "16", "--samples_per_year", "2", "--valid_years", "1", "--seed", "3"]
     env = child_env()
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

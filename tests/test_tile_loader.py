@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.data.loader import ERA5Dataset, get_data_loader, get_loader
+from data.loader import ERA5Dataset, get_data_loader, get_loader
 from utils.tile import Tile
 
 GRID = (16, 32)
@@ -87,7 +87,7 @@ def test_the_ranks_of_a_mesh_read_the_same_samples_sharded_over_dp_only(tiny_par
 
 def test_dali_reads_the_same_tiles_as_the_pytorch_loader(tiny_params):
     pytest.importorskip("nvidia.dali")
-    from utils.data.dali import get_data_loader_dali
+    from data.dali import get_data_loader_dali
 
     tiny_params = tiny_params.replace(num_data_workers=0)
     tile = TILES[-1]  # uneven, off the edges

@@ -18,13 +18,13 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
+from data.dataset import ERA5Dataset  # noqa: E402
 from networks import build_model  # noqa: E402
 from training.checkpoint import latest_checkpoint  # noqa: E402
 from training.logs import target_vs_prediction  # noqa: E402
 from training.run_dirs import newest_checkpointed  # noqa: E402
 from utils.config import read_config  # noqa: E402
 from utils.config_schema import Config  # noqa: E402
-from utils.data.dataset import ERA5Dataset  # noqa: E402
 
 
 def scalars(run_dir: str) -> dict[str, tuple[list[int], list[float]]]:

@@ -20,8 +20,8 @@ from utils.config_schema import Config
 from utils.errors import EXIT_PREEMPTED, DataError, DivergedError
 
 if TYPE_CHECKING:
+    from data.checks import BatchScan
     from training.checkpoint import Checkpointer
-    from utils.data.checks import BatchScan
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class NonFiniteLoss:
 class RunGuard:
     """Stop signal, NaN check, checkpoint interval, requeue and exit, after each step.
 
-    `scan` (utils.data.checks.BatchScan over this rank's training data) names the sample
+    `scan` (data.checks.BatchScan over this rank's training data) names the sample
     behind a NaN/inf loss; the guard keeps (epoch, batch) of the steps since its last check
     (one on CPU, up to NonFiniteLoss.GPU_CHECK_EVERY on a GPU) to tell it which batch."""
 

@@ -20,6 +20,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import networks
+from data.checks import BatchScan
+from data.loader import get_loader
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.scores import Normaliser, validate
@@ -31,8 +33,6 @@ from training.profiling import StepProfiler
 from training.progress import Progress
 from training.setup import RunContext, peak_memory_gb
 from utils.config_schema import Config
-from utils.data.checks import BatchScan
-from utils.data.loader import get_loader
 from utils.errors import ConfigError, DataError
 from utils.model_wrappers import uncompiled
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from evaluation.rollout import rollout
+from networks.rollout import rollout
 from training.run import Training
 
 

@@ -148,7 +148,7 @@ def saved_config(saved: Mapping[str, Any], environ: Mapping[str, str] | None = N
 # ----------------------------------------------------------------------------- flags
 
 class FlagError(ConfigError):
-    """A flag argparse cannot parse. Raised on every rank: training/main.py prints it once,
+    """A flag argparse cannot parse. Raised on every rank: training/script_exit.py prints it once,
     as argparse would: the `usage` line, then `<prog>: error: <message>`."""
 
     def __init__(self, message: str, usage: str, prog: str):

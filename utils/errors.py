@@ -1,10 +1,10 @@
 """Errors a user can fix (a bad flag, config, data file, launch or checkpoint), and exit codes.
 
 A leaf module: everything may import it, it imports nothing of the project. `run_main`
-(training/main.py) prints any `UserError` as one `error: ...` line and exits with
+(training/script_exit.py) prints any `UserError` as one `error: ...` line and exits with
 EXIT_USER_ERROR; anything else is a bug and keeps its traceback.
 
-In a job of several processes the line is printed once (training/main.py): an error
+In a job of several processes the line is printed once (training/script_exit.py): an error
 that every rank raises alike (`every_rank`: a config error, or one raised after the ranks
 agreed on it) by rank 0, any other by the first rank that fails.
 """

@@ -43,7 +43,7 @@ def full_size_data(request, tmp_path_factory):
     """360 x 720, 9 samples per year: 16 training pairs (one step of local batch 16 per
     epoch), 8 validation pairs; ~0.8 GB, ~15 s. Nothing is generated where the tests skip."""
     request.getfixturevalue("require_cuda")
-    from utils.data.synthetic import generate
+    from data.synthetic import generate
 
     out = tmp_path_factory.mktemp("era5_full_size")
     generate(out, img_size=(360, 720), samples_per_year=9, seed=0)

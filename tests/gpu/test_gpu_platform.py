@@ -79,8 +79,8 @@ def test_tf32_is_on_by_default_and_nvidia_tf32_override_0_turns_it_off():
 def test_dali_gpu_pipeline_gives_the_pytorch_loaders_batches(tiny_params, workers):
     """DALI's GPU pipeline yields the PyTorch loader's batches, in order, for two epochs."""
     need_module("nvidia.dali", DALI_INSTALL)
-    from utils.data.dali import get_data_loader_dali
-    from utils.data.loader import get_data_loader
+    from data.dali import get_data_loader_dali
+    from data.loader import get_data_loader
 
     torch.cuda.set_device(0)
     cfg, batch = tiny_params, tiny_params.local_batch_size

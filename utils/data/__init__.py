@@ -1,1 +1,2 @@
-"""Data: the ERA5 loaders (PyTorch and DALI) and the synthetic ERA5-like generator."""
+"""The data package moved to the top-level `data/`; this keeps the documented command
+`python -m utils.data.prepare_era5` working (utils/data/prepare_era5.py)."""

@@ -107,7 +107,7 @@ def read_file_grid(f: Any, path: str, shape: tuple[int, int]) -> Grid:
     `latitude` / `longitude`, else the tutorial grid of that shape."""
     if LATITUDE not in f or LONGITUDE not in f:
         _note_once(("assumed", os.path.dirname(path)), f"{path} records no latitude/"
-                   "longitude: assuming the tutorial's grid (utils/data/grid.py)")
+                   "longitude: assuming the tutorial's grid (data/grid.py)")
         return tutorial_grid(*shape)
     grid = checked(f[LATITUDE][()], f[LONGITUDE][()], path)
     if grid.shape != tuple(shape):
@@ -141,7 +141,7 @@ def load_stats_grid(stats_dir: str | os.PathLike, shape: tuple[int, int]) -> Gri
     paths = [os.path.join(stats_dir, f"{n}.npy") for n in (LATITUDE, LONGITUDE)]
     if not all(os.path.isfile(p) for p in paths):
         _note_once(("assumed", str(stats_dir)), f"{stats_dir} records no latitude.npy/"
-                   "longitude.npy: assuming the tutorial's grid (utils/data/grid.py)")
+                   "longitude.npy: assuming the tutorial's grid (data/grid.py)")
         return tutorial_grid(*shape)
     try:
         lat, lon = (np.load(p) for p in paths)

@@ -29,11 +29,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from utils.data.climatology import sample_times
-from utils.data.era5_names import CHANNEL_NAMES
-from utils.data.era5_source import Source, year_times
-from utils.data.grid import Grid, write_file_grid
-from utils.data.statistics import PartialSums
+from data.climatology import sample_times
+from data.era5_names import CHANNEL_NAMES
+from data.era5_source import Source, year_times
+from data.grid import Grid, write_file_grid
+from data.statistics import PartialSums
 from utils.errors import DataError
 
 _sources: dict[str, Source] = {}  # opened once per process
@@ -155,7 +155,7 @@ def prepare_year(plan: Plan, split: str, year: int,
             "channel_names": list(CHANNEL_NAMES), "dt_hours": 6, "year": year,
             "split": split, "samples_per_year": len(year_times(year)),
             "source": plan.source, "crop_rows": plan.crop_rows or 0, "coarsen": plan.coarsen,
-            "description": "ERA5, utils/data/prepare_era5.py; row 0 = north"})
+            "description": "ERA5, data/prepare_era5.py; row 0 = north"})
         write_file_grid(f, grid)
         f.create_dataset("time", data=hours, track_times=False).attrs["units"] = \
             "hours since 1970-01-01 00:00:00"

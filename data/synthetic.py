@@ -7,7 +7,7 @@ Layout (one file per "year", years of a split are consecutive chunks of one traj
         "longitude" (W,) at 360 j / W; "time" (N,) hours since 1970-01-01 (labels: a synthetic
         year starts on 1 January and lasts samples_per_year samples)
     <out>/stats/global_means.npy, global_stds.npy (1, 20, 1, 1); time_means.npy (1, 20, H, W);
-        climatology.npz (seasonal and diurnal harmonics, utils/data/climatology.py);
+        climatology.npz (seasonal and diurnal harmonics, data/climatology.py);
         latitude.npy, longitude.npy
 
 Dynamics (nondimensional: length = Earth radius, velocity = 10 m/s): two equal layers of
@@ -35,10 +35,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from utils.data.climatology import sample_times
-from utils.data.era5_names import CHANNEL_NAMES
-from utils.data.grid import Grid, write_file_grid
-from utils.data.statistics import PartialSums, write_stats
+from data.climatology import sample_times
+from data.era5_names import CHANNEL_NAMES
+from data.grid import Grid, write_file_grid
+from data.statistics import PartialSums, write_stats
 
 __all__ = ["CHANNEL_NAMES", "generate", "grid_of", "main"]
 
@@ -350,7 +350,7 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="data/synthetic", help="output directory")
+    parser.add_argument("--out", default="datasets/synthetic", help="output directory")
     parser.add_argument("--img_size", type=_positive_int, nargs=2, default=(64, 128),
                         metavar=("H", "W"), help="output grid (full ERA5 size: 360 720)")
     parser.add_argument("--samples_per_year", type=_positive_int, default=128,

@@ -1,6 +1,6 @@
 """The training and validation loaders: PyTorch's DataLoader over the ERA5 dataset
-(utils/data/dataset.py), optionally run ahead by a prefetch thread, or NVIDIA DALI's
-(utils/data/dali.py); `get_loader` picks the one the config names."""
+(data/dataset.py), optionally run ahead by a prefetch thread, or NVIDIA DALI's
+(data/dali.py); `get_loader` picks the one the config names."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from data.batch_read import keep_batch
+from data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
+from data.prefetch import PrefetchLoader
 from utils.config_schema import Config
-from utils.data.batch_read import keep_batch
-from utils.data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
-from utils.data.prefetch import PrefetchLoader
 from utils.tile import Tile
 
 
@@ -24,13 +24,13 @@ def get_loader(cfg: Config, location: str, train: bool, num_replicas: int = 1, r
     rank and size; spatially parallel ranks their `tile` (the ranks of one mesh read the
     same samples)."""
     if cfg.data_loader_config == "dali":
-        from utils.data.dali import get_data_loader_dali  # optional dependency: import on use
+        from data.dali import get_data_loader_dali  # optional dependency: import on use
 
         return get_data_loader_dali(cfg, location, train, num_replicas, rank, tile,
                                     batch_size=batch_size)
     loader, dataset, sampler = get_data_loader(cfg, location, train, num_replicas, rank, tile,
                                                batch_size=batch_size)
-    if cfg.prefetch_thread:  # the loader runs ahead in a thread (utils/data/prefetch.py)
+    if cfg.prefetch_thread:  # the loader runs ahead in a thread (data/prefetch.py)
         return PrefetchLoader(loader), dataset, sampler
     return loader, dataset, sampler
 

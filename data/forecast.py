@@ -3,13 +3,13 @@
 A rollout of L steps from sample i of a year file needs samples i, i + dt, ..., i + L*dt of
 that file: one HDF5 hyperslab read per initial condition, cropped to `img_size` and
 normalised with the global means and stds exactly like the training loader
-(utils.data.dataset.ERA5Dataset, which also checks the files, their grid and the statistics
+(data.dataset.ERA5Dataset, which also checks the files, their grid and the statistics
 here).
 
 The time of every sample comes from the file's `time` dataset (hours since 1970-01-01;
 files without one: 6-hourly from 00 UTC on 1 January of the year the file is named after),
 and its place in the seasonal cycle from its index in the file and the file's
-`samples_per_year` attribute (the climatology's year fraction, utils/data/climatology.py).
+`samples_per_year` attribute (the climatology's year fraction, data/climatology.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import h5py
 import numpy as np
 import torch
 
+from data.climatology import sample_times
+from data.dataset import ERA5Dataset
+from data.era5_names import CHANNEL_NAMES
 from utils.config_schema import Config
-from utils.data.climatology import sample_times
-from utils.data.dataset import ERA5Dataset
-from utils.data.era5_names import CHANNEL_NAMES
 from utils.errors import DataError
 from utils.tile import Tile
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from utils.data.era5_names import CHANNELS, Channel
-from utils.data.grid import Grid
+from data.era5_names import CHANNELS, Channel
+from data.grid import Grid
 from utils.errors import DataError
 
 _RENAME = {"valid_time": "time", "pressure_level": "level", "lat": "latitude",

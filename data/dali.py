@@ -1,4 +1,4 @@
-"""NVIDIA DALI data loader: the same batches as utils/data/loader.py, read by DALI.
+"""NVIDIA DALI data loader: the same batches as data/loader.py, read by DALI.
 
 The HDF5 reads run in the worker processes of DALI's parallel external source, and the
 normalisation is a DALI operator (on the GPU when there is one), so the training process only
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.config_schema import Config
-from utils.data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
 from utils.errors import ConfigError, DataError
 from utils.tile import Tile
 
@@ -218,7 +218,7 @@ class DALILoader:
 def get_data_loader_dali(cfg: Config, location: str, train: bool, num_replicas: int = 1,
                          rank: int = 0, tile: Tile | None = None, *, batch_size: int
                          ) -> tuple[DALILoader, ERA5Dataset, ShardSampler]:
-    """Returns (loader, dataset, sampler), like `utils.data.loader.get_data_loader`.
+    """Returns (loader, dataset, sampler), like `data.loader.get_data_loader`.
 
     `cfg.num_data_workers` worker processes read the files (0: the training process reads
     them itself); batches come out on the current CUDA device if there is one, else on the CPU.

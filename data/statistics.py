@@ -10,7 +10,7 @@ relative), so the result is what one pass over all training samples gives:
     merged with Chan et al.'s pairwise formula, which stays accurate where a plain sum of
     squares loses digits (geopotential ~5e4 m2/s2 with a std of ~3e3);
   - time_means (1, C, H, W): the mean over samples of each grid point;
-  - the harmonic climatology (utils/data/climatology.py): the normal equations X^T X and
+  - the harmonic climatology (data/climatology.py): the normal equations X^T X and
     X^T Y of the least-squares fit, where X holds the 14 harmonic terms of each sample's
     time and Y its fields (the 20 channels and the derived 10 m wind speed). The constant
     term's row of X^T Y is the sum of the samples: time_means comes from it.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.data.climatology import TERMS, basis, save_climatology, save_npz
-from utils.data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
-from utils.data.grid import Grid, save_stats_grid
+from data.climatology import TERMS, basis, save_climatology, save_npz
+from data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
+from data.grid import Grid, save_stats_grid
 
 
 def derived_names(channels: int) -> tuple[str, ...]:

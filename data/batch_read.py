@@ -6,7 +6,7 @@ module turns them into two (B, C, H, W) float32 arrays:
   [t, t + n) and target rows [t + dt, t + dt + n), which for n >= dt is ONE hyperslab
   [t, t + n + dt) (a shuffled training batch: one read of the pair (t, t + dt) per sample;
   a validation batch: one read for the whole batch), else two;
-* files that store samples as plain float32 bytes are memory-mapped (utils/data/mapped.py)
+* files that store samples as plain float32 bytes are memory-mapped (data/mapped.py)
   and normalised where they lie, with no read copy; other files are read with hyperslabs;
 * the normalisation writes the rows read into the batch: (x - mean) / std as a subtraction
   out of the rows read and one in-place division of the whole batch.
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from utils.data.mapped import mapped
+from data.mapped import mapped
 
 
 class Run(NamedTuple):

@@ -1,7 +1,7 @@
 """Bad data named precisely: statistics that cannot normalise, fields that are not float32,
 samples that cannot be read, and the sample behind a NaN/inf training loss.
 
-Used by utils/data/loader.py (and so by the DALI loader, which reads through the same
+Used by data/loader.py (and so by the DALI loader, which reads through the same
 dataset) and by the run guard. Everything here costs nothing while the data are good: the
 statistics are checked once when loaded, and a batch is read again only after its loss
 went NaN/inf.
@@ -17,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from utils.data.synthetic import CHANNEL_NAMES
+from data.synthetic import CHANNEL_NAMES
 from utils.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """The ERA5 layout as a dataset: (input at t, target at t + dt) pairs; for training on
 rollouts (`rollout_steps` K > 1) the targets at t + dt, ..., t + K*dt. Shared by the
-PyTorch loader (utils/data/loader.py) and the DALI loader (utils/data/dali.py).
+PyTorch loader (data/loader.py) and the DALI loader (data/dali.py).
 
 <data_dir>/{train,valid,test}/<year>.h5 each hold a dataset "fields" of shape
 (n_samples, channels, H, W); samples are 6 hours apart. Every file records its grid
-(`latitude`, `longitude`; utils/data/grid.py), which must agree with the grid beside the
+(`latitude`, `longitude`; data/grid.py), which must agree with the grid beside the
 statistics and be the same in every file. Fields are normalised with the global
 per-channel means and standard deviations; an `img_size` smaller than the grid reads its
 first rows and columns, a crop stated once in the log. With a `tile`
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from data.batch_read import read_batch
+from data.checks import FieldsReader, check_dtypes, check_stats
+from data.grid import Grid, agree, crop_to, load_stats_grid, read_file_grid
 from utils.config_schema import Config
-from utils.data.batch_read import read_batch
-from utils.data.checks import FieldsReader, check_dtypes, check_stats
-from utils.data.grid import Grid, agree, crop_to, load_stats_grid, read_file_grid
 from utils.errors import DataError
 from utils.tile import Tile
 
@@ -35,7 +35,7 @@ from utils.tile import Tile
 def list_year_files(path: str) -> list[str]:
     if not os.path.isdir(path):
         raise DataError(f"data directory {path} does not exist "
-                        "(make the synthetic data with `python -m utils.data.synthetic`, "
+                        "(make the synthetic data with `python -m data.synthetic`, "
                         "or set DATA_DIR)")
     files = sorted(glob.glob(os.path.join(path, "*.h5")))
     if not files:
@@ -198,7 +198,7 @@ class ERA5Dataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch (the DataLoader calls this instead of `__getitem__` per sample):
-        fewer HDF5 reads and one normalisation pass, see utils/data/batch_read.py. K-step
+        fewer HDF5 reads and one normalisation pass, see data/batch_read.py. K-step
         targets (`rollout_steps` > 1) are read sample by sample."""
         if self.steps > 1:
             pairs = [self[i] for i in indices]

@@ -18,7 +18,7 @@ at 360 x 720, 2.3 MB at 64 x 128.
 
 Stored as stats/climatology.npz: `coefficients` (14, C, H, W) float32 in physical units,
 `time_mean` (C, H, W), `channels` (the 20 channels plus derived ones such as ws10, 10 m
-wind speed), `terms`, `n_samples`. Its fit: utils/data/statistics.py.
+wind speed), `terms`, `n_samples`. Its fit: data/statistics.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,248 @@
+"""Prepare public ERA5 (a WeatherBench-2 / ARCO-ERA5 Zarr store, or CDS NetCDF files) in the
+tutorial's HDF5 layout: the 20 channels, one file per year per split, stats/ and the grid.
+
+    python -m data.prepare_era5 SOURCE OUT --train_years 1979-2015 \\
+        --valid_years 2016-2017 --test_years 2018 [--crop_rows 720] [--coarsen K] \\
+        [--max_samples N] [--batch_size B] [--workers N] [--task I]
+
+Writes OUT/{train,valid,test}/<year>.h5 (data/era5_writer.py) and, from the training
+years, OUT/stats/: global_means.npy, global_stds.npy, time_means.npy (the tutorial's),
+climatology.npz (seasonal and diurnal harmonics, data/climatology.py),
+latitude.npy and longitude.npy. Years run in parallel (--workers processes, or one SLURM
+array task per year with --task); the statistics are merged exactly from each training
+year's partial sums (data/statistics.py) by a run without --task once every year is
+written. A second run skips every year already written and verified. Reading and naming:
+data/era5_source.py; the whole story: docs/real_era5.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any, NoReturn
+
+from data.era5_writer import (
+    Plan,
+    YearResult,
+    file_grid,
+    is_complete,
+    prepare_year,
+    sums_file,
+    year_file,
+)
+from data.statistics import PartialSums, write_stats
+from utils.errors import EXIT_USER_ERROR, DataError
+
+SPLITS = ("train", "valid", "test")
+EPILOG = """\
+memory (peak, per worker): one batch of the source's fields at a time, about
+  3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read, stacked,
+  flipped or block-averaged), plus for a training year its statistics sums,
+  14 x 21 x H x W x 8 bytes (H x W: the output grid), plus ~0.2 GB of Python and libraries.
+  0.25 degrees (721 x 1440), batch 8: ~2 GB for the batch and 2.4 GB for the sums (0.6 GB
+  with --coarsen 2); 2.8125 degrees (64 x 128), batch 8: 0.29 GB measured. Times --workers.
+
+SLURM: one array task per year (tasks count the train, then valid, then test years), then
+  one run without --task to verify every year and merge the statistics:
+  jid=$(sbatch --parsable --array=0-39 --wrap "python -m data.prepare_era5 SRC OUT \\
+      --train_years 1979-2015 --valid_years 2016-2017 --test_years 2018 \\
+      --task \\$SLURM_ARRAY_TASK_ID")
+  sbatch --dependency=afterok:$jid --wrap "python -m data.prepare_era5 SRC OUT \\
+      --train_years 1979-2015 --valid_years 2016-2017 --test_years 2018"
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every other user error
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def years(text: str) -> list[int]:
+    """'1979-2015' -> [1979, ..., 2015]; '2018' -> [2018]."""
+    try:
+        first, _, last = text.partition("-")
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a year or a range A-B") from None
+    if b < a or not 1900 <= a <= 2200:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a range of years A-B with A <= B")
+    return list(range(a, b + 1))
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m data.prepare_era5", description=__doc__.split("\n\n")[0],
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE",
+                   help="a Zarr store (path or gs:// URL) or a directory of CDS NetCDF files")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--train_years", type=years, required=True, metavar="A-B",
+                   help="years of the training split (the statistics come from them)")
+    p.add_argument("--valid_years", type=years, default=[], metavar="A-B")
+    p.add_argument("--test_years", type=years, default=[], metavar="A-B")
+    p.add_argument("--crop_rows", type=positive, default=None, metavar="N",
+                   help="keep the first N rows, north to south (the tutorial: 720 of 721)")
+    p.add_argument("--coarsen", type=positive, default=1, metavar="K",
+                   help="block means of K x K grid points (after the crop)")
+    p.add_argument("--max_samples", type=positive, default=None, metavar="N",
+                   help="only the first N 6-hourly samples of each year (a quick subset)")
+    p.add_argument("--batch_size", type=positive, default=8, metavar="B",
+                   help="samples read and written at a time (memory: see below)")
+    p.add_argument("--workers", type=positive, default=1, metavar="N",
+                   help="years prepared in parallel processes")
+    p.add_argument("--task", type=int, default=None, metavar="I",
+                   help="prepare only the I-th year (SLURM array task; no statistics)")
+    return p
+
+
+def jobs_of(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """[(split, year)] in the order train, valid, test; a year in two splits is refused."""
+    jobs: list[tuple[str, int]] = []
+    seen: dict[int, str] = {}
+    for split in SPLITS:
+        for year in getattr(args, f"{split}_years"):
+            if year in seen:
+                raise DataError(f"year {year} is in both --{seen[year]}_years and "
+                                f"--{split}_years")
+            seen[year] = split
+            jobs.append((split, year))
+    return jobs
+
+
+class ProgressBar:
+    """samples done / total, samples/s, MB/s written, ETA: one line, rewritten in place on
+    a terminal, else printed every `every` seconds."""
+
+    def __init__(self, total: int, bytes_per_sample: int, every: float = 10.0):
+        self.total, self.per_sample, self.every = total, bytes_per_sample, every
+        self.done, self.start, self.last = 0, time.perf_counter(), 0.0
+        self.tty = sys.stderr.isatty()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.tty or now - self.last >= self.every or self.done >= self.total:
+            self.last = now
+            print(self.line(), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.done / seconds
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        return (f"prepared {self.done}/{self.total} samples "
+                f"({100 * self.done / max(self.total, 1):.0f}%), {rate:.1f} samples/s, "
+                f"{rate * self.per_sample / 1e6:.1f} MB/s, ETA {_duration(eta)}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    m, s = divmod(int(seconds + 0.5), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _bytes_per_sample(plan: Plan) -> int:
+    from data.era5_writer import open_source, output_grid
+
+    H, W = output_grid(plan, open_source(plan.source).grid).shape
+    return 20 * H * W * 4
+
+
+def _in_worker(plan: Plan, split: str, year: int, queue: Any, threads: int) -> YearResult:
+    import dask
+
+    dask.config.set(scheduler="threads", num_workers=threads)
+    return prepare_year(plan, split, year, report=queue.put)
+
+
+def run(plan: Plan, jobs: list[tuple[str, int]], workers: int) -> list[YearResult]:
+    """Prepare `jobs`, `workers` at a time, with a progress bar over the samples to write."""
+    todo = [(s, y) for s, y in jobs if not is_complete(plan, s, y)]
+    for split, year in jobs:
+        if (split, year) not in todo:
+            print(f"{year_file(plan.out, split, year)} is complete, skipped", file=sys.stderr)
+    if not todo:
+        return []
+    bar = ProgressBar(sum(plan.samples(y) for _, y in todo), _bytes_per_sample(plan))
+    if workers == 1 or len(todo) == 1:
+        return [prepare_year(plan, s, y, report=bar.add) for s, y in todo]
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    ctx = mp.get_context("spawn")  # fresh interpreters: no dask or HDF5 state across fork
+    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        queue = manager.Queue()
+        pending: set[Future] = {pool.submit(_in_worker, plan, s, y, queue, threads)
+                                for s, y in todo}
+        results = []
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while not queue.empty():
+                bar.add(queue.get())
+            results += [f.result() for f in done]  # a worker's DataError is raised here
+    return results
+
+
+def merge_stats(plan: Plan, train_years: list[int]) -> None:
+    """stats/ from every training year's sums (all must be there)."""
+    sums = PartialSums.empty()
+    for year in train_years:
+        sums = sums.merge(PartialSums.load(sums_file(plan.out, year)))
+    grid = file_grid(year_file(plan.out, "train", train_years[0]))
+    for year in train_years[1:]:
+        if not file_grid(year_file(plan.out, "train", year)).same_as(grid):
+            raise DataError(f"{plan.out}/train mixes grids: {year}.h5 and "
+                            f"{train_years[0]}.h5 differ; prepare them again")
+    write_stats(os.path.join(plan.out, "stats"), sums, grid)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    plan = Plan(os.path.abspath(args.source) if "://" not in args.source else args.source,
+                args.out, args.crop_rows, args.coarsen, args.max_samples, args.batch_size)
+    jobs = jobs_of(args)
+    if args.task is not None:
+        if not 0 <= args.task < len(jobs):
+            raise DataError(f"--task {args.task}: there are {len(jobs)} years (0 .. "
+                            f"{len(jobs) - 1})")
+        jobs = [jobs[args.task]]
+    start = time.perf_counter()
+    results = run(plan, jobs, args.workers)
+    if args.task is None:
+        merge_stats(plan, args.train_years)
+    seconds = time.perf_counter() - start
+    written = [r for r in results if not r.skipped]
+    samples, size = sum(r.samples for r in written), sum(r.bytes for r in written)
+    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
+                                                             resource.RUSAGE_CHILDREN))
+    print(f"wrote {len(written)} year file(s), {samples} samples, {size / 1e6:.1f} MB in "
+          f"{seconds:.1f} s ({samples / seconds:.1f} samples/s, {size / 1e6 / seconds:.1f} "
+          f"MB/s); peak memory of a process {peak / 1024:.0f} MB"
+          + ("" if args.task is not None else f"; statistics in {args.out}/stats"))
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The command line: a bad source, year or flag ends with one `error:` line, exit 2."""
+    try:
+        main(argv)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    cli()
