@@ -98,7 +98,8 @@ def test_make_tutorial_runs_the_walk_and_make_test_does_not():
 
 
 @pytest.mark.parametrize("comment, seconds", [("~2 min; the config's 1200 take ~2 h", 120),
-                                              ("CPU: the newest run, ~10 s", 10), ("", None)])
+                                              ("CPU: the newest run, ~10 s", 10),
+                                              ("the long baseline (~6-9 min)", 540), ("", None)])
 def test_the_time_a_command_states_is_read_from_its_comment(comment, seconds):
     c = read_commands(f"## Quickstart\n```bash\nmake x   # {comment}\n```\n")[0]
     assert c.stated_seconds == seconds

@@ -19,7 +19,7 @@ from pathlib import Path
 SECTIONS = ("Quickstart", "The tutorial, step by step")  # the README's level-2 headings
 COMMENT = re.compile(r"\s+#(?:\s|$)")  # a shell comment after a command
 FRESH = re.compile(r"in a\s+fresh\s+`([^`]+)`")  # "Run them ... in a fresh `logs/...`"
-TIME = re.compile(r"~\s*(\d+(?:\.\d+)?)\s*(s|min|h)\b")  # "~2 min", "~10 s"
+TIME = re.compile(r"~\s*(?:\d+(?:\.\d+)?-)?(\d+(?:\.\d+)?)\s*(s|min|h)\b")  # "~2 min", "~6-9 min"
 UNIT_SECONDS = {"s": 1, "min": 60, "h": 3600}
 
 
@@ -37,7 +37,8 @@ class Command:
 
     @property
     def stated_seconds(self) -> float | None:
-        """The time the README states next to the command ("~2 min"), in seconds."""
+        """The time the README states next to the command ("~2 min"; of "~6-9 min" the
+        upper bound), in seconds."""
         m = TIME.search(self.comment)
         return float(m.group(1)) * UNIT_SECONDS[m.group(2)] if m else None
 
