@@ -235,6 +235,8 @@ def serve(command: str, copy: Path, log: Path, wait: float = 120.0) -> tuple[str
     """Start a server command (tensorboard), ask for its page, stop it."""
     start = time.monotonic()
     with open(log, "w") as out:
+        out.write(f"$ {command}\n")
+        out.flush()
         proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=environment(copy),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = None
