@@ -11,7 +11,8 @@ Parameter annotations (set with `annotate`, read by `sync_shared_gradients`):
     param.shard_blocks     the sharded dim is a concatenation of this many equal blocks, each
                            split separately (the fused qkv: [q | k | v])
     param.is_shared_mp     groups over which the parameter is replicated (identical copies):
-                           every model-parallel group (MP_GROUPS) that does not shard it
+                           every model-parallel axis (utils.parallel_axes) that does not
+                           shard it
     param.partial_grad_mp  groups over which each rank's gradient is only a *partial sum*,
                            because the ranks apply the parameter to different tokens (cp) or
                            grid points (h, w). Always a subset of is_shared_mp.
@@ -33,8 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed import comm
-
-MP_GROUPS = ("tp", "cp", "h", "w")
+from utils.parallel_axes import MODEL_PARALLEL
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -125,7 +125,7 @@ def annotate(param: torch.Tensor, sharded_dims: Sequence[str | None] | None = No
     model-parallel group holds a replica; `partial_grad` lists the replica groups whose
     ranks apply it to different tokens or grid points."""
     param.sharded_dims_mp = list(sharded_dims) if sharded_dims is not None else [None] * param.dim()
-    param.is_shared_mp = [g for g in MP_GROUPS if g not in param.sharded_dims_mp]
+    param.is_shared_mp = [g for g in MODEL_PARALLEL if g not in param.sharded_dims_mp]
     param.partial_grad_mp = list(partial_grad)
     param.shard_blocks = blocks
 
@@ -168,7 +168,7 @@ def sync_shared_gradients(model: nn.Module) -> None:
     if plan is None:
         check_annotations(model)
         plan = [(group_name, [p for p in model.parameters() if group_name in p.partial_grad_mp])
-                for group_name in MP_GROUPS if comm.get_size(group_name) > 1]
+                for group_name in MODEL_PARALLEL if comm.get_size(group_name) > 1]
         model._grad_sync_plan = plan
     for group_name, params in plan:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -44,13 +44,20 @@ from networks.loss import l2_loss
 from utils.compile_cache import use_compile_cache
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.parallel_axes import (
+    BY_NAME,
+    MODEL_PARALLEL,
+    NAMES,
+    config_sizes,
+    is_model_parallel,
+    split_family,
+)
 from utils.precision import Precision
 from utils.tile import Tile
 
 log = logging.getLogger("layout")
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MODEL_PARALLEL_KEYS = ("tp", "cp", "h_parallel_size", "w_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -72,9 +79,9 @@ class Layout:
     @classmethod
     def data_parallel(cls, cfg: Config) -> Layout:
         """train.py's layout: data parallelism only (every rank holds the whole model)."""
-        split = {k: getattr(cfg, k) for k in MODEL_PARALLEL_KEYS if getattr(cfg, k) > 1}
-        if split:
-            sizes = ", ".join(f"{k} {v}" for k, v in split.items())
+        sizes = config_sizes(cfg)
+        if is_model_parallel(sizes):
+            sizes = ", ".join(f"{BY_NAME[a].key} {n}" for a, n in sizes.items() if n > 1)
             raise ConfigError(f"config '{cfg.config}' sets {sizes}: train.py trains "
                               "data-parallel only; run train_mp.py for model parallelism")
         return cls.model_parallel(cfg)
@@ -83,8 +90,7 @@ class Layout:
     def model_parallel(cls, cfg: Config) -> Layout:
         """Join the job and build the tp x cp x h x w x dp process groups of `cfg` (every
         process of the job calls this with the same config), then decide the rest."""
-        env, device = comm.init_process(cfg.tp, cfg.cp, cfg.parallel_order,
-                                        h=cfg.h_parallel_size, w=cfg.w_parallel_size)
+        env, device = comm.init_process(cfg.parallel_order, **config_sizes(cfg))
         return cls.of_groups(cfg, env, device)
 
     @classmethod
@@ -92,7 +98,8 @@ class Layout:
         """The layout of process groups that exist already (comm.init ran)."""
         if cfg.enable_jit:  # before anything compiles: kernels cached under the log root
             use_compile_cache(cfg.expdir)
-        if comm.get_size("h-w") > 1:  # the schema allows a mesh only for the AFNO
+        kind = split_family({a: comm.get_size(a) for a in MODEL_PARALLEL}) or "serial"
+        if kind == "spatial":  # the schema allows a mesh only for the AFNO
             # A mesh's loss holds a collective (the sums over the tiles): it stays eager.
             sum_over_mesh = functools.partial(reduce_from_parallel_region, group_name="h-w")
             return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),
@@ -101,7 +108,7 @@ class Layout:
         # The loss of a whole grid is compiled like the model: one pass over the output.
         loss = torch.compile(l2_loss) if cfg.enable_jit else l2_loss
         whole = Tile.whole(cfg.img_size)
-        if comm.get_size("tp-cp") > 1:  # ... only for the ViT
+        if kind == "tensor":  # ... only for the ViT
             return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole,
                        loss)
         return cls("serial", cfg.parallel_order, env, device, None, whole, loss)
@@ -109,14 +116,14 @@ class Layout:
     # ------------------------------------------------------------------ training
     @property
     def is_model_parallel(self) -> bool:
-        """Whether the model is split over several ranks (tensor or spatial)."""
+        """Whether the model is split over several ranks (tensor or spatial: the family of
+        axes that split it, `utils.parallel_axes.split_family`)."""
         return self.kind != "serial"
 
     def after_backward(self, model: nn.Module) -> None:
         """Between backward and the optimizer step: complete the gradients of parameters
-        replicated across model-parallel ranks (a no-op in the serial layout)."""
-        if self.is_model_parallel:
-            sync_shared_gradients(model)
+        replicated across model-parallel ranks (the step calls it on such a layout only)."""
+        sync_shared_gradients(model)
 
     def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
         """The run's loss scaler (enabled for fp16 only; `training.run.build_training`).
@@ -147,4 +154,4 @@ class Layout:
 
     def sizes(self) -> dict[str, int]:
         """Every group's size, for logs and result files."""
-        return {g: comm.get_size(g) for g in ("tp", "cp", "h", "w", "dp")}
+        return {a: comm.get_size(a) for a in NAMES}

@@ -25,9 +25,10 @@ from distributed.helpers import (
     compute_split_shapes,
     shard_tensor,
 )
+from utils.parallel_axes import family_axes
 from utils.tile import Tile
 
-SPATIAL_GROUPS = ("h", "w")
+SPATIAL_GROUPS = family_axes("spatial")  # the axes of the tile's rows, then of its columns
 
 
 def tile_bounds(grid: tuple[int, int], patch_size: int = 1) -> tuple[slice, slice]:

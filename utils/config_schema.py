@@ -26,19 +26,7 @@ from annotated_types import Ge, Gt, Le, Len, Lt, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from utils.errors import ConfigError
-
-# The rank layout's axes (distributed/rank_generator.py), fastest-varying first by default.
-AXES = ("tp", "cp", "h", "w", "dp")
-DEFAULT_ORDER = "-".join(AXES)
-
-
-def parse_axes(name: str) -> list[str]:
-    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
-    axes = name.split("-")
-    unknown = [a for a in axes if a not in AXES]
-    if unknown or len(set(axes)) != len(axes):
-        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
-    return axes
+from utils.parallel_axes import BY_NAME, DEFAULT_ORDER, NAMES, config_sizes, parse_axes
 
 
 class Expect:
@@ -81,7 +69,7 @@ PathStr = Annotated[str, MinLen(1)]
 RunTag = Annotated[str, AfterValidator(_single_path_component),
                    Expect("a single path component (no '/', not '.' or '..')")]
 AxisOrder = Annotated[str, AfterValidator(_axis_order),
-                      Expect(f"axes from {', '.join(AXES)} joined by '-', each at most once, "
+                      Expect(f"axes from {', '.join(NAMES)} joined by '-', each at most once, "
                              "dp included")]
 
 
@@ -251,11 +239,11 @@ def _check_splits(c: Config) -> None:
         # the spectrum's channels are split over w in whole blocks, at least one per rank
         raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
                          f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
-    sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
-    missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
+    missing = [a for a, n in config_sizes(c).items()
+               if n > 1 and a not in parse_axes(c.parallel_order)]
     if missing:
-        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
-                         "whose size is > 1")
+        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
+                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
 
 
 def _check_rollout(c: Config) -> None:
