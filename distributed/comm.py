@@ -52,7 +52,6 @@ GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
 _groups: dict[str, dist.ProcessGroup | None] = {}
-_layout: RankGenerator | None = None
 
 
 def is_distributed() -> bool:
@@ -97,11 +96,6 @@ def get_group(name: str) -> dist.ProcessGroup | None:
     return _groups.get(name)
 
 
-def get_layout() -> RankGenerator | None:
-    """The rank layout built by `init` (None before)."""
-    return _layout
-
-
 def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool = False,
          **sizes: int) -> None:
     """Build the process groups of a tp x cp x h x w x dp layout: `sizes` of the model-
@@ -111,7 +105,6 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     must call this with the same arguments: creating a group is collective over the world.
     `backend` is only used when this call has to initialise torch.distributed itself.
     """
-    global _layout
     unknown = sorted(set(sizes) - set(MODEL_PARALLEL))
     if unknown:
         raise TypeError(f"init() got sizes of {', '.join(unknown)}; the model-parallel axes "
@@ -144,7 +137,6 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     _sizes.update(new_sizes)
     _ranks.update(ranks)
     _groups.update(groups)
-    _layout = layout
     if verbose and rank == 0:
         axes = " x ".join(f"{a} {n}" for a, n in layout.sizes.items())
         print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
@@ -196,11 +188,9 @@ def gloo_threads() -> int:
 
 def reset() -> None:
     """Forget the layout (tests; the groups themselves live until torch.distributed ends)."""
-    global _layout
     _sizes.clear()
     _ranks.clear()
     _groups.clear()
-    _layout = None
 
 
 # ----------------------------------------------------------------------------- process set-up
