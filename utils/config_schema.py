@@ -187,9 +187,6 @@ class ParallelKeys(Keys):
         False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     noddp: Annotated[bool, Flag()] = Field(
         False, description="skip the gradient all-reduce (wrong training; measures its cost)")
-    wireup_info: Literal["env", "mpi"] = Field(
-        "env", description="tutorial key; the launcher is detected from the environment")
-    wireup_store: Literal["tcp", "file"] = Field("tcp", description="tutorial key, as above")
 
 
 class SourceKeys(Keys):
@@ -286,6 +283,14 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
 
 KEYS: list[str] = [k for group in GROUPS for k in group.model_fields]
 
+# The tutorial's keys that this code does without: a config copied from it is told why.
+RETIRED: dict[str, str] = {
+    "wireup_info": "the launcher (torchrun, SLURM, mpirun) and with it each rank's place "
+                   "are found from the environment",
+    "wireup_store": "the ranks meet at MASTER_ADDR:MASTER_PORT, checked first "
+                    "(distributed/rendezvous.py)",
+}
+
 
 # ----------------------------------------------------------------- describing a type
 
@@ -347,6 +352,9 @@ def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[s
     if not err["loc"]:  # a check across keys (model validator)
         return f"{where}: {err['ctx']['error']}"
     key = str(err["loc"][0])
+    if err["type"] == "extra_forbidden" and key in RETIRED:
+        return (f"key {_culprit(key, data.get(key), where, flags)} is no longer used: "
+                f"{RETIRED[key]}; delete it")
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, KEYS, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "see the config reference"
