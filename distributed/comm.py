@@ -66,11 +66,6 @@ def get_world_rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
-def get_local_rank() -> int:
-    """Rank within the node (selects the GPU), from the launcher's environment."""
-    return resolve_launch_env().local_rank
-
-
 def _check_name(name: str) -> None:
     if name not in GROUPS:
         raise KeyError(f"unknown process group {name!r}; expected one of {tuple(GROUPS)}")

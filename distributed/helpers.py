@@ -52,11 +52,6 @@ def compute_split_shapes(size: int, num_chunks: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(num_chunks)]
 
 
-def split_tensor_along_dim(x: torch.Tensor, dim: int, num_chunks: int) -> list[torch.Tensor]:
-    """Views of `x` split along `dim` into `compute_split_shapes` chunks."""
-    return list(torch.split(x, compute_split_shapes(x.shape[dim], num_chunks), dim=dim))
-
-
 def exchange_sizes(local: int, group_name: str, device: torch.device) -> list[int]:
     """Every rank's `local` integer (a small all-gather and a host sync: avoid in hot loops)."""
     world = comm.get_size(group_name)

@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
+from sharded import gather_full_state_dict, load_serial_state_dict, scatter_image
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import comm
 from distributed.helpers import annotation_errors
-from distributed.layers import gather_full_state_dict, load_serial_state_dict
-from distributed.spatial import SpatialLayers, scatter_image
+from distributed.spatial import SpatialLayers
 from networks import build_model
 from networks.afno import (
     AFNONet,

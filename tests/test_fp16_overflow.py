@@ -78,9 +78,10 @@ def _moved(before: list[torch.Tensor], model: torch.nn.Module) -> bool:
 def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list[dict]:
     """STEPS fp16 steps of the layout and of the serial model on every rank; what this rank
     saw at each step. `agree` False: one plain GradScaler per rank (the negative control)."""
+    from sharded import gather_full_state_dict
+
     import networks
     from distributed import comm
-    from distributed.layers import gather_full_state_dict
     from distributed.layout import Layout
     from networks.loss import l2_loss
     from training.profiling import StepProfiler

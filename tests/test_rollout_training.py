@@ -233,10 +233,10 @@ def _spatial_rollout(h: int, w: int) -> None:
     """The AFNO maps a tile to a tile: a rollout on a mesh, with the loss of tiles, is the
     serial rollout's loss and gradient (max |err| <= 1e-5 x max |serial|: the tiles' sums
     add the same terms in another order)."""
+    from sharded import gather_full_grads, scatter_image
+
     from distributed import comm
     from distributed.helpers import sync_shared_gradients
-    from distributed.layers import gather_full_grads
-    from distributed.spatial import scatter_image
     from networks import build_model
     from networks.afno import AFNONet
     from utils.config import read_config

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
+from sharded import gather_image, scatter_image
 
 from data.grid import tutorial_grid
 from distributed import comm
-from distributed.spatial import gather_image, scatter_image, tile_bounds
+from distributed.spatial import tile_bounds
 from evaluation.regions import region_weights
 from evaluation.scores import (
     relative_l2,
