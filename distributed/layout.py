@@ -9,7 +9,8 @@ World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
     layers work on this rank's tile of the grid. Both initialise to the serial numbers;
   - the `tile` of the grid this rank reads, trains on and scores (the whole grid unless the
     AFNO's grid is split over h x w);
-  - the loss: networks.loss.l2_loss, on a mesh with its sums completed over the tiles;
+  - how the loss's sums over the grid are completed (`sum_over_grid`): over the mesh's
+    tiles, or not at all on a whole grid (the loss itself is networks/loss.py's);
   - what runs after backward: parameters replicated across model-parallel ranks (norms,
     biases, embeddings) get their partial gradients summed over those ranks
     (`sync_shared_gradients`; DDP then averages over dp);
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from distributed.layers import DistributedLayers
 from distributed.loss_scaling import AgreedGradScaler
 from distributed.mappings import reduce_from_parallel_region
 from distributed.spatial import SpatialLayers, field_tile
-from networks.loss import l2_loss
+from networks.loss import SumOverGrid
 from utils.compile_cache import use_compile_cache
 from utils.config_schema import Config
 from utils.errors import ConfigError
@@ -57,8 +57,6 @@ from utils.tile import Tile
 
 log = logging.getLogger("layout")
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -73,7 +71,6 @@ class Layout:
     device: torch.device
     layers: Any  # the networks' layer factory; None: their serial layers
     tile: Tile
-    loss: Loss
 
     # ------------------------------------------------------------------ building one
     @classmethod
@@ -100,20 +97,23 @@ class Layout:
             use_compile_cache(cfg.expdir)
         kind = split_family({a: comm.get_size(a) for a in MODEL_PARALLEL}) or "serial"
         if kind == "spatial":  # the schema allows a mesh only for the AFNO
-            # A mesh's loss holds a collective (the sums over the tiles): it stays eager.
-            sum_over_mesh = functools.partial(reduce_from_parallel_region, group_name="h-w")
             return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),
-                       field_tile(cfg.img_size, cfg.patch_size),
-                       functools.partial(l2_loss, sum_over_grid=sum_over_mesh))
-        # The loss of a whole grid is compiled like the model: one pass over the output.
-        loss = torch.compile(l2_loss) if cfg.enable_jit else l2_loss
+                       field_tile(cfg.img_size, cfg.patch_size))
         whole = Tile.whole(cfg.img_size)
         if kind == "tensor":  # ... only for the ViT
-            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole,
-                       loss)
-        return cls("serial", cfg.parallel_order, env, device, None, whole, loss)
+            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole)
+        return cls("serial", cfg.parallel_order, env, device, None, whole)
 
     # ------------------------------------------------------------------ training
+    @property
+    def sum_over_grid(self) -> SumOverGrid | None:
+        """How a loss completes its sums over the grid (networks/loss.py): on a mesh, each
+        rank's sums are of its tile, summed over "h-w" (the backward passes each tile its own
+        gradient); None when this rank holds the whole grid."""
+        if self.tile.is_whole:
+            return None
+        return functools.partial(reduce_from_parallel_region, group_name="h-w")
+
     @property
     def is_model_parallel(self) -> bool:
         """Whether the model is split over several ranks (tensor or spatial: the family of

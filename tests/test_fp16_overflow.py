@@ -9,7 +9,8 @@ that rank skips the step and halves its loss scale while the others step and kee
 Here an overflow is forced: at step FAULT_STEP a gradient hook sets one element of a sharded
 parameter's gradient to inf on model-parallel rank 1 only (and on data-parallel rank 0 only);
 the serial model gets an inf in the same parameter at the same step. The real step
-(`training.step.Step`), the layout's loss and loss scaler, and the model and optimizer that
+(`training.step.Step`), the config's loss with the layout's sums over tiles, the layout's
+loss scaler, and the model and optimizer that
 train_mp.py builds (`wrap_model`: DDP over dp; `build_optimizer`: Adam, or fused Adam, whose
 step finds the overflow another way) then train the tiny ViT (tp 2, and dp 2 x tp 2) and the
 tiny AFNO (h 2 x w 1) in fp16 autocast on the CPU, beside the serial model. After every step:
@@ -83,7 +84,7 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
     import networks
     from distributed import comm
     from distributed.layout import Layout
-    from networks.loss import l2_loss
+    from networks.loss import build_loss
     from training.profiling import StepProfiler
     from training.run import build_optimizer, wrap_model
     from training.step import Step
@@ -96,7 +97,8 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
     cpu, fp16 = torch.device("cpu"), Precision("fp16", "cpu")
     layout = layout_of(cfg)
     serial_layout = Layout("serial", cfg.parallel_order, layout.env, cpu, None,
-                           Tile.whole(cfg.img_size), l2_loss)
+                           Tile.whole(cfg.img_size))
+    rows = torch.ones(cfg.img_size[0])  # latitude weights: unused by the relative L2
     clock = [0]
     faulty_rank = comm.get_rank("mp") == FAULT_RANK and comm.get_rank("dp") == 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,12 +108,15 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
         if faulty_rank:
             _poison(dict(model.named_parameters())[name], clock)
         par = SimpleNamespace(ctx=SimpleNamespace(precision=fp16), layout=layout,
+                              loss=build_loss(cfg.loss, rows[layout.tile.rows],
+                                              layout.sum_over_grid),
                               model=wrap_model(model, cfg, cpu),  # DDP over dp
                               optimizer=build_optimizer(cfg, model), prof=prof,
                               scaler=layout.grad_scaler(fp16) if agree else fp16.grad_scaler())
         serial = networks.build_model(cfg)
         _poison(dict(serial.named_parameters())[name], clock)
         ser = SimpleNamespace(ctx=par.ctx, layout=serial_layout, model=serial,
+                              loss=build_loss(cfg.loss, rows),
                               optimizer=build_optimizer(cfg, serial), prof=prof,
                               scaler=serial_layout.grad_scaler(fp16))
         dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")

@@ -25,6 +25,7 @@ from data.loader import get_loader
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.scores import Normaliser, validate
+from networks.loss import build_loss
 from training.checkpoint import Checkpointer, load_weights, resolve_resume
 from training.guard import RunGuard
 from training.logs import RunLog
@@ -125,6 +126,7 @@ class Training:
     ctx: RunContext
     layout: Layout
     model: torch.nn.Module
+    loss: torch.nn.Module  # the config's loss (networks/loss.py), as the step calls it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
@@ -179,8 +181,8 @@ class Training:
         start = time.time()
         # Eagerly, without torch.compile: evaluation (no_grad, eval mode) would compile a
         # second graph of the model for little gain (docs/benchmarks.md, torch.compile).
-        val = validate(uncompiled(self.model), self.val_loader, self.layout,
-                       self.ctx.precision, self.norm)
+        val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
+                       self.layout, self.ctx.precision, self.norm)
         val_time = time.time() - start
         p, t2m = self.progress, self.norm.channel(2)
         if train_time is None:
@@ -221,6 +223,12 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
         raise DataError(f"{cfg.train_data_path}: fewer training samples per data-parallel "
                         f"rank than the local batch size {ctx.local_batch_size}")
     val_loader, _, _ = get_loader(cfg, cfg.valid_data_path, train=False, **shard)
+    norm = Normaliser(cfg, layout.device)
+    # The config's loss, of this rank's rows, its sums completed over the grid as the
+    # layout says; training and validation call this one object.
+    loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid)
+    if cfg.enable_jit and layout.sum_over_grid is None:  # a mesh's loss holds a collective
+        loss = torch.compile(loss)  # one pass over the output, like the model's
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = layout.grad_scaler(ctx.precision)  # fp16: one overflow verdict per model replica
@@ -239,10 +247,9 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
     # to do (epoch_step != 0): then this run writes them again.
     purge = (progress.iters + (0 if progress.epoch_step else 1)) if resume else None
     return Training(
-        cfg=cfg, ctx=ctx, layout=layout, model=model, optimizer=optimizer,
+        cfg=cfg, ctx=ctx, layout=layout, model=model, loss=loss, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, train_loader=train_loader,
-        train_sampler=train_sampler, val_loader=val_loader,
-        norm=Normaliser(cfg, layout.device), ckpt=ckpt,
+        train_sampler=train_sampler, val_loader=val_loader, norm=norm, ckpt=ckpt,
         prof=StepProfiler(layout.device, ctx.run_dir, rank=comm.get_world_rank()),
         log=RunLog(ctx.run_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
         guard=RunGuard(cfg, layout.device, ckpt, stop,

@@ -108,6 +108,9 @@ class TrainingKeys(Keys):
         None, description="samples per rank; if set, global = local x dp size")
     num_iters: Annotated[PosInt, Flag()] = Field(
         description="training iterations (optimizer steps)")
+    loss: Annotated[Literal["relative_l2", "weighted_mse"], Flag()] = Field(
+        "relative_l2", description="training and validation loss (networks/loss.py): the "
+        "tutorial's relative L2 error, or the latitude-weighted MSE")
     lr: PosFloat = Field(description="peak learning rate")
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
