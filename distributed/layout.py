@@ -41,7 +41,6 @@ from distributed.loss_scaling import AgreedGradScaler
 from distributed.mappings import reduce_from_parallel_region
 from distributed.spatial import SpatialLayers, field_tile
 from networks.loss import SumOverGrid
-from utils.compile_cache import use_compile_cache
 from utils.config_schema import Config
 from utils.errors import ConfigError
 from utils.parallel_axes import (
@@ -93,8 +92,6 @@ class Layout:
     @classmethod
     def of_groups(cls, cfg: Config, env: LaunchEnv, device: torch.device) -> Layout:
         """The layout of process groups that exist already (comm.init ran)."""
-        if cfg.enable_jit:  # before anything compiles: kernels cached under the log root
-            use_compile_cache(cfg.expdir)
         kind = split_family({a: comm.get_size(a) for a in MODEL_PARALLEL}) or "serial"
         if kind == "spatial":  # the schema allows a mesh only for the AFNO
             return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),

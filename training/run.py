@@ -26,6 +26,7 @@ from distributed import comm
 from distributed.layout import Layout
 from evaluation.scores import Normaliser, validate
 from networks.loss import build_loss
+from training import compiling
 from training.checkpoint import Checkpointer, load_weights, resolve_resume
 from training.guard import RunGuard
 from training.logs import RunLog
@@ -54,12 +55,12 @@ def build_model(cfg: Config, layout: Layout) -> torch.nn.Module:
 
 
 def wrap_model(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:
-    """DDP over the data-parallel group, then torch.compile. DDP averages over dp only: the
-    ranks of a model-parallel group hold different shards, whose gradients must not be
-    mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture of the full backward
-    requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel") and it costs
-    nothing otherwise. The compile cache was chosen with the layout, before DDP (whose
-    constructor already asks Inductor for it)."""
+    """DDP over the data-parallel group, then torch.compile (training/compiling.py). DDP
+    averages over dp only: the ranks of a model-parallel group hold different shards, whose
+    gradients must not be mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture
+    of the full backward requires it (PyTorch CUDA semantics, "Usage with
+    DistributedDataParallel") and it costs nothing otherwise."""
+    compiling.prepare(cfg)  # the compile cache, before DDP's constructor asks Inductor for it
     if comm.get_size("dp") > 1 and not cfg.noddp:
         side = torch.cuda.Stream() if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -71,9 +72,7 @@ def wrap_model(model: torch.nn.Module, cfg: Config, device: torch.device) -> tor
                 **buffer_sync(not cfg.disable_broadcast_buffers))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-    if cfg.enable_jit:
-        model = torch.compile(model)
-    return model
+    return compiling.compile_model(model, cfg)
 
 
 def buffer_sync(each_forward: bool) -> dict[str, bool]:
@@ -227,8 +226,7 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
     # The config's loss, of this rank's rows, its sums completed over the grid as the
     # layout says; training and validation call this one object.
     loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid)
-    if cfg.enable_jit and layout.sum_over_grid is None:  # a mesh's loss holds a collective
-        loss = torch.compile(loss)  # one pass over the output, like the model's
+    loss = compiling.compile_loss(loss, cfg, whole_grid=layout.sum_over_grid is None)
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = layout.grad_scaler(ctx.precision)  # fp16: one overflow verdict per model replica
