@@ -52,6 +52,7 @@ GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
 _groups: dict[str, dist.ProcessGroup | None] = {}
+_group_names: dict[str, str] = {}  # torch.distributed's own name of each group
 
 
 def is_distributed() -> bool:
@@ -89,6 +90,13 @@ def get_group(name: str) -> dist.ProcessGroup | None:
     """The process group `name` this rank belongs to (None on one process)."""
     _check_name(name)
     return _groups.get(name)
+
+
+def get_group_name(name: str) -> str:
+    """torch.distributed's name of the group `name` (a string a compiled graph can hold
+    instead of the group itself: distributed/helpers.py)."""
+    _check_name(name)
+    return _group_names[name]
 
 
 def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool = False,
@@ -132,6 +140,7 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     _sizes.update(new_sizes)
     _ranks.update(ranks)
     _groups.update(groups)
+    _group_names.update({n: g.group_name for n, g in groups.items() if g is not None})
     if verbose and rank == 0:
         axes = " x ".join(f"{a} {n}" for a, n in layout.sizes.items())
         print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
@@ -186,6 +195,7 @@ def reset() -> None:
     _sizes.clear()
     _ranks.clear()
     _groups.clear()
+    _group_names.clear()
 
 
 # ----------------------------------------------------------------------------- process set-up

@@ -6,6 +6,14 @@ versions, only for equal shapes on every rank. Uneven splits (7 tokens over 2 ra
 therefore padded to the largest chunk, exchanged with the single-tensor collective, and
 trimmed. The same code runs unchanged on NCCL.
 
+Under torch.compile the collectives name their group by its string name (functional
+collectives, torch.distributed._functional_collectives): Dynamo would otherwise turn an
+in-place `dist.all_reduce(x, group=pg)` into a functional one that takes the group object as
+a graph input, and PyTorch 2.13 keeps such a graph alive after the run (a backward node of
+the compiled autograd Function outlives it), and with it the group and gloo's threads, into
+interpreter exit (tests/test_compiled_model_parallel.py). Eagerly, and in CUDA graphs, the
+in-place c10d collectives run as they are; both paths give the same sums.
+
 Parameter annotations (set with `annotate`, read by `sync_shared_gradients`):
     param.sharded_dims_mp  per tensor dim, the group it is split over, or None
     param.shard_blocks     the sharded dim is a concatenation of this many equal blocks, each
@@ -31,6 +39,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from distributed import comm
@@ -77,8 +86,11 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group_name: str,
     local = x.movedim(dim, 0)
     if local.shape[0] < width:
         local = torch.cat([local, local.new_zeros((width - local.shape[0], *local.shape[1:]))])
-    buf = local.new_empty((world * width, *local.shape[1:]))
-    _all_gather_single(buf, local.contiguous(), group=comm.get_group(group_name))
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        buf = funcol.all_gather_tensor(local.contiguous(), 0, comm.get_group_name(group_name))
+    else:
+        buf = local.new_empty((world * width, *local.shape[1:]))
+        _all_gather_single(buf, local.contiguous(), group=comm.get_group(group_name))
     chunks = [buf[r * width: r * width + n] for r, n in enumerate(sizes)]
     return torch.cat(chunks).movedim(0, dim).contiguous()
 
@@ -99,15 +111,22 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group_name: str,
     buf = full.new_zeros((world * width, *full.shape[1:]))
     for r, chunk in enumerate(torch.split(full, sizes)):
         buf[r * width: r * width + sizes[r]] = chunk
-    out = buf.new_empty((width, *full.shape[1:]))
-    _reduce_scatter_single(out, buf, group=comm.get_group(group_name))
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        out = funcol.reduce_scatter_tensor(buf, "sum", 0, comm.get_group_name(group_name))
+    else:
+        out = buf.new_empty((width, *full.shape[1:]))
+        _reduce_scatter_single(out, buf, group=comm.get_group(group_name))
     return out[: sizes[comm.get_rank(group_name)]].movedim(0, dim).contiguous()
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """In-place sum over the group (returns `x`)."""
-    if comm.get_size(group_name) > 1:
-        dist.all_reduce(x, group=comm.get_group(group_name))
+    """The sum of `x` over the group. Eagerly it is written into `x` (returned); compiled it
+    is a new tensor: pass an `x` that is not needed afterwards, and use the result."""
+    if comm.get_size(group_name) == 1:
+        return x
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        return funcol.all_reduce(x, "sum", comm.get_group_name(group_name))
+    dist.all_reduce(x, group=comm.get_group(group_name))
     return x
 
 
