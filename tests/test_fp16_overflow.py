@@ -7,7 +7,8 @@ the position embedding: an overflow there is seen by that rank alone. Without an
 that rank skips the step and halves its loss scale while the others step and keep theirs.
 
 Here an overflow is forced: at step FAULT_STEP a gradient hook sets one element of a sharded
-parameter's gradient to inf on model-parallel rank 1 only (and on data-parallel rank 0 only);
+parameter's gradient to inf on model-parallel rank 1 only (and on data-parallel rank 0 only),
+in backward, before DDP's reduction over dp spreads it to that shard's dp partner;
 the serial model gets an inf in the same parameter at the same step. The real step
 (`training.step.Step`), the config's loss with the layout's sums over tiles, the layout's
 loss scaler, and the model and optimizer that
@@ -153,8 +154,9 @@ def _table(ranks: list[list[dict]]) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout, fused", [("tp2", False), ("tp2", True), ("dp2xtp2", False),
-                                           ("h2xw1", False), ("h2xw1", True)],
-                         ids=["tp2", "tp2-fused_adam", "dp2xtp2", "h2xw1", "h2xw1-fused_adam"])
+                                           ("dp2xtp2", True), ("h2xw1", False), ("h2xw1", True)],
+                         ids=["tp2", "tp2-fused_adam", "dp2xtp2", "dp2xtp2-fused_adam", "h2xw1",
+                              "h2xw1-fused_adam"])
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank_like_serial(layout, fused):
     config, sizes, world = LAYOUTS[layout]
     ranks = run_distributed(_train, world, config, sizes, fused, True, timeout=240)
