@@ -77,8 +77,8 @@ class Layout:
         """train.py's layout: data parallelism only (every rank holds the whole model)."""
         sizes = config_sizes(cfg)
         if is_model_parallel(sizes):
-            sizes = ", ".join(f"{BY_NAME[a].key} {n}" for a, n in sizes.items() if n > 1)
-            raise ConfigError(f"config '{cfg.config}' sets {sizes}: train.py trains "
+            split = ", ".join(f"{BY_NAME[a].key} {n}" for a, n in sizes.items() if n > 1)
+            raise ConfigError(f"config '{cfg.config}' sets {split}: train.py trains "
                               "data-parallel only; run train_mp.py for model parallelism")
         return cls.model_parallel(cfg)
 
