@@ -47,7 +47,7 @@ from data.era5_names import wb2_label
 from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
-from distributed.layout import MODEL_PARALLEL_KEYS, Layout
+from distributed.layout import Layout
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
@@ -75,6 +75,7 @@ from training.script_exit import run_main
 from utils.config import add_flags, read_config, saved_config
 from utils.config_schema import Config
 from utils.errors import CheckpointError, ConfigError
+from utils.parallel_axes import MODEL_PARALLEL_KEYS
 from utils.precision import Precision, choose_precision
 
 log = logging.getLogger("inference")

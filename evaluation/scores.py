@@ -1,6 +1,6 @@
-"""How a forecast is scored: the training loss, latitude-weighted MSE/RMSE and anomaly
-correlation (ACC) per channel (and region), and `validate` over a data-parallel
-validation set.
+"""How a forecast is scored: latitude-weighted MSE/RMSE and anomaly correlation (ACC) per
+channel (and region), and `validate` over a data-parallel validation set (with the run's
+training loss, networks/loss.py).
 
 Rows are weighted by the area of their cells on the sphere, computed from the latitudes
 the data records (evaluation/regions.py: WeatherBench-2's weights, mean 1). With several
@@ -29,7 +29,6 @@ from data.dataset import load_stats, load_stds, score_grid
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor
-from networks.loss import l2_loss
 from utils.config_schema import Config
 from utils.errors import DataError
 from utils.precision import Precision
@@ -92,15 +91,6 @@ def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
 
 
 @torch.no_grad()
-def relative_l2(pred: torch.Tensor, target: torch.Tensor, tile: Tile | None = None
-                ) -> torch.Tensor:
-    """The training loss (networks.loss.l2_loss) as a score, also of fields split into
-    tiles."""
-    tile = _tile_of(pred, tile)
-    return l2_loss(pred, target, None if tile.is_whole else lambda s: _over_grid(s, tile))
-
-
-@torch.no_grad()
 def whole_field(x: torch.Tensor, tile: Tile | None) -> torch.Tensor:
     """The whole (..., H, W) field from every rank's tile of it (collective over "h-w"):
     each rank adds its tile into zeros. For an example map; not for every batch."""
@@ -141,10 +131,12 @@ class Normaliser:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Precision,
-             norm: Normaliser, max_batches: int | None = None) -> dict[str, Any]:
-    """Loss, latitude-weighted RMSE(u10m) in m/s (WeatherBench-2's: the root of the mean
-    over samples of the global weighted MSE, as inference.py reports it), persistence RMSE
+def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layout: Layout,
+             precision: Precision, norm: Normaliser, max_batches: int | None = None
+             ) -> dict[str, Any]:
+    """The training loss (`loss_fn`, the run's), latitude-weighted RMSE(u10m) in m/s
+    (WeatherBench-2's: the root of the mean over samples of the global weighted MSE, as
+    inference.py reports it), persistence RMSE
     and ACC (anomalies against the time mean) over the validation set, summed over the
     data-parallel ranks and averaged. On a spatial mesh the loader and the model hold this
     rank's tile of every field (the layout's), and the scores are those of the whole grid
@@ -168,7 +160,7 @@ def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Pre
         persist = weighted_mse_channels(inp[:, :1], tar[:, :1], weights, tile)
         skill = weighted_acc_channels(gen[:, :3:2], tar[:, :3:2], climatology[:, :3:2],
                                       weights, tile)
-        sums += torch.stack([relative_l2(gen, tar, tile) * inp.shape[0], mse.sum(),
+        sums += torch.stack([loss_fn(gen, tar) * inp.shape[0], mse.sum(),
                              persist.sum(), skill[:, 0].sum(), skill[:, 1].sum()]).double()
         samples += inp.shape[0]
         if first is None:  # t2m of the first sample: input, target, forecast, whole grid

@@ -355,10 +355,10 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
     gathered gradient, after the last every gathered parameter, equal the serial ones; the
     replicated parameters stay bitwise identical on the ranks that share them."""
     import torch.distributed as dist
+    from sharded import gather_full_grads, gather_full_state_dict
 
     from distributed import comm
     from distributed.helpers import sync_shared_gradients
-    from distributed.layers import gather_full_grads, gather_full_state_dict
 
     opt_serial = torch.optim.Adam(serial.parameters(), lr=lr)
     opt = torch.optim.Adam(model.parameters(), lr=lr)

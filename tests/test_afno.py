@@ -4,7 +4,7 @@ without data parallelism) against the serial model on the same global batch: los
 parameter gradient, and every parameter after 3 Adam steps.
 
 Training step under test (what train_mp.py will do with --h_parallel_size/--w_parallel_size):
-    loss = layout.loss(model(tile of x), tile of y)   # global loss from tiles
+    loss = l2_loss(model(tile of x), tile of y, layout.sum_over_grid)   # from tiles
     loss.backward()                 # DDP averages over dp during backward
     sync_shared_gradients(model)    # sums the partial (h, w) gradients of replicated weights
     optimizer.step()
@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
+from sharded import gather_full_state_dict, load_serial_state_dict, scatter_image
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import comm
 from distributed.helpers import annotation_errors
-from distributed.layers import gather_full_state_dict, load_serial_state_dict
-from distributed.spatial import SpatialLayers, scatter_image
+from distributed.spatial import SpatialLayers
 from networks import build_model
 from networks.afno import (
     AFNONet,
@@ -196,7 +196,7 @@ def _compare(fraction: float) -> None:
         img_size=list(IMG), n_in_channels=3, n_out_channels=2, embed_dim=16, depth=2,
         num_blocks=4, hard_thresholding_fraction=fraction, seed=3,
         h_parallel_size=comm.get_size("h"), w_parallel_size=comm.get_size("w"))
-    spatial = layout_of(cfg)  # the layout train_mp.py builds: its layers and its loss
+    spatial = layout_of(cfg)  # the layout train_mp.py builds: its layers, its sums over tiles
     assert spatial.kind == "spatial" and spatial.tile.grid == IMG
     model = build_model(cfg, layers=spatial.layers)
     for name, value in gather_full_state_dict(model).items():  # the serial initialisation
@@ -209,7 +209,8 @@ def _compare(fraction: float) -> None:
     tile = lambda t: scatter_image(t[local], serial.grid, 4)  # noqa: E731
     assert_trains_like_serial(
         serial, model, [_batch(step) for step in range(STEPS)],
-        lambda m, x, y: l2_loss(m(x), y), lambda m, x, y: spatial.loss(m(tile(x)), tile(y)),
+        lambda m, x, y: l2_loss(m(x), y),
+        lambda m, x, y: l2_loss(m(tile(x)), tile(y), spatial.sum_over_grid),
         layout, LR, RTOL, ATOL_ADAM)
 
 

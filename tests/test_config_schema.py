@@ -70,6 +70,9 @@ CASES = {
                                         ["duplicate key 'lr'", "{file}:", "first at line"]),
     "lr_schedule_key_misspelled": (TINY + "  lr_shedule: constant", [],
                                    ["unknown key lr_shedule", "did you mean 'lr_schedule'?"]),
+    "tutorial_wireup_key": (TINY + "  wireup_info: mpi", [],
+                            ["key wireup_info: 'mpi' in config 'bad' of {file} is no longer "
+                             "used", "found from the environment", "delete it"]),
     "lr_schedule_value_misspelled": (TINY + "  lr_schedule: cosin", [],
                                      ["lr_schedule: 'cosin'", "'cosine', 'constant'"]),
     "checkpoint_keep_flag_0": (TINY, ["--checkpoint_keep", "0"],

@@ -22,15 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
+from sharded import gather_full_state_dict, load_serial_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import comm
 from distributed.helpers import annotation_errors, sync_shared_gradients
-from distributed.layers import (
-    DistributedLayers,
-    gather_full_state_dict,
-    load_serial_state_dict,
-)
+from distributed.layers import DistributedLayers
 from networks.vit import VisionTransformer, vit_from_params
 from utils.config import read_config
 

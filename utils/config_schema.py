@@ -26,19 +26,7 @@ from annotated_types import Ge, Gt, Le, Len, Lt, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from utils.errors import ConfigError
-
-# The rank layout's axes (distributed/rank_generator.py), fastest-varying first by default.
-AXES = ("tp", "cp", "h", "w", "dp")
-DEFAULT_ORDER = "-".join(AXES)
-
-
-def parse_axes(name: str) -> list[str]:
-    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
-    axes = name.split("-")
-    unknown = [a for a in axes if a not in AXES]
-    if unknown or len(set(axes)) != len(axes):
-        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
-    return axes
+from utils.parallel_axes import BY_NAME, DEFAULT_ORDER, NAMES, config_sizes, parse_axes
 
 
 class Expect:
@@ -81,7 +69,7 @@ PathStr = Annotated[str, MinLen(1)]
 RunTag = Annotated[str, AfterValidator(_single_path_component),
                    Expect("a single path component (no '/', not '.' or '..')")]
 AxisOrder = Annotated[str, AfterValidator(_axis_order),
-                      Expect(f"axes from {', '.join(AXES)} joined by '-', each at most once, "
+                      Expect(f"axes from {', '.join(NAMES)} joined by '-', each at most once, "
                              "dp included")]
 
 
@@ -120,6 +108,9 @@ class TrainingKeys(Keys):
         None, description="samples per rank; if set, global = local x dp size")
     num_iters: Annotated[PosInt, Flag()] = Field(
         description="training iterations (optimizer steps)")
+    loss: Annotated[Literal["relative_l2", "weighted_mse"], Flag()] = Field(
+        "relative_l2", description="training and validation loss (networks/loss.py): the "
+        "tutorial's relative L2 error, or the latitude-weighted MSE")
     lr: PosFloat = Field(description="peak learning rate")
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
@@ -199,9 +190,6 @@ class ParallelKeys(Keys):
         False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     noddp: Annotated[bool, Flag()] = Field(
         False, description="skip the gradient all-reduce (wrong training; measures its cost)")
-    wireup_info: Literal["env", "mpi"] = Field(
-        "env", description="tutorial key; the launcher is detected from the environment")
-    wireup_store: Literal["tcp", "file"] = Field("tcp", description="tutorial key, as above")
 
 
 class SourceKeys(Keys):
@@ -251,11 +239,11 @@ def _check_splits(c: Config) -> None:
         # the spectrum's channels are split over w in whole blocks, at least one per rank
         raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
                          f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
-    sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
-    missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
+    missing = [a for a, n in config_sizes(c).items()
+               if n > 1 and a not in parse_axes(c.parallel_order)]
     if missing:
-        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
-                         "whose size is > 1")
+        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
+                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
 
 
 def _check_rollout(c: Config) -> None:
@@ -297,6 +285,14 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
 
 
 KEYS: list[str] = [k for group in GROUPS for k in group.model_fields]
+
+# The tutorial's keys that this code does without: a config copied from it is told why.
+RETIRED: dict[str, str] = {
+    "wireup_info": "the launcher (torchrun, SLURM, mpirun) and with it each rank's place "
+                   "are found from the environment",
+    "wireup_store": "the ranks meet at MASTER_ADDR:MASTER_PORT, checked first "
+                    "(distributed/rendezvous.py)",
+}
 
 
 # ----------------------------------------------------------------- describing a type
@@ -359,6 +355,9 @@ def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[s
     if not err["loc"]:  # a check across keys (model validator)
         return f"{where}: {err['ctx']['error']}"
     key = str(err["loc"][0])
+    if err["type"] == "extra_forbidden" and key in RETIRED:
+        return (f"key {_culprit(key, data.get(key), where, flags)} is no longer used: "
+                f"{RETIRED[key]}; delete it")
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, KEYS, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "see the config reference"
