@@ -97,7 +97,7 @@ class ModelKeys(Keys):
     depth: PosInt = Field(description="number of transformer / AFNO blocks")
     patch_size: PosInt = Field(description="side of the square patch that becomes one token")
     num_heads: PosInt = Field(8, description="attention heads (ViT)")
-    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim (AFNO)")
+    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim")
     num_blocks: PosInt = Field(8, description="block-diagonal blocks of the AFNO spectral weights")
     sparsity_threshold: NonNegFloat = Field(0.01, description="AFNO soft-shrink threshold")
     hard_thresholding_fraction: Annotated[float, Gt(0), Le(1)] = Field(
@@ -235,6 +235,10 @@ def _check_widths(c: Config) -> None:
         if getattr(c, key) % c.tp:
             raise ValueError(f"{key} {getattr(c, key)} is not divisible by tp {c.tp} (--tp): "
                              "choose a tp that divides it")
+    hidden = int(c.embed_dim * c.mlp_ratio)
+    if c.model == "vit" and hidden % c.tp:
+        raise ValueError(f"the MLP's {hidden} hidden units (embed_dim {c.embed_dim} x mlp_ratio "
+                         f"{c.mlp_ratio}) are not divisible by tp {c.tp} (--tp)")
 
 
 def _check_splits(c: Config) -> None:
