@@ -187,13 +187,14 @@ def test_afno_bsN_opt_sections_follow_the_vits_sqrt_lr_scaling() -> None:
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return (torch.randn(GLOBAL_BATCH, 3, *IMG, generator=g),
-            torch.randn(GLOBAL_BATCH, 2, *IMG, generator=g))
+            torch.randn(GLOBAL_BATCH, 3, *IMG, generator=g))
 
 
 def _compare(fraction: float) -> None:
-    serial = AFNONet(**TINY, hard_thresholding_fraction=fraction, seed=3)
+    # a config forecasts the channels it reads (the schema refuses n_out != n_in)
+    serial = AFNONet(**{**TINY, "out_chans": 3}, hard_thresholding_fraction=fraction, seed=3)
     cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
-        img_size=list(IMG), n_in_channels=3, n_out_channels=2, embed_dim=16, depth=2,
+        img_size=list(IMG), n_in_channels=3, n_out_channels=3, embed_dim=16, depth=2,
         num_blocks=4, hard_thresholding_fraction=fraction, seed=3,
         h_parallel_size=comm.get_size("h"), w_parallel_size=comm.get_size("w"))
     spatial = layout_of(cfg)  # the layout train_mp.py builds: its layers and its loss

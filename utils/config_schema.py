@@ -106,7 +106,9 @@ class ModelKeys(Keys):
     img_size: Annotated[list[PosInt], Len(2, 2)] = Field(
         description="grid [H, W] read from the data (the first H rows, W columns)")
     n_in_channels: PosInt = Field(description="input channels (20 in the ERA5 layout)")
-    n_out_channels: PosInt = Field(description="predicted channels")
+    n_out_channels: PosInt = Field(
+        description="predicted channels: the input's, n_in_channels (the forecast is the "
+                    "next input)")
 
 
 class TrainingKeys(Keys):
@@ -262,6 +264,15 @@ def _check_splits(c: Config) -> None:
                          "whose size is > 1")
 
 
+def _check_channels(c: Config) -> None:
+    # The model forecasts the fields it reads: the target is the input t + dt, and a rollout
+    # (the multi-step loss, inference) feeds each forecast back in as the next input.
+    if c.n_out_channels != c.n_in_channels:
+        raise ValueError(f"n_out_channels {c.n_out_channels} differs from n_in_channels "
+                         f"{c.n_in_channels}: the model forecasts the fields it reads (each "
+                         "forecast is the next step's input); set both to the data's channels")
+
+
 def _check_rollout(c: Config) -> None:
     if c.rollout_steps > 1 and c.data_loader_config == "dali":
         raise ValueError(f"rollout_steps {c.rollout_steps} needs data_loader_config pytorch "
@@ -296,6 +307,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_widths(self)
         _check_layout(self)
         _check_splits(self)
+        _check_channels(self)
         _check_rollout(self)
         return self
 
