@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -304,6 +305,15 @@ def preempt_slurm_job(cluster, job: int, timeout: float) -> tuple[str, int]:
     stopped = re.search(r"Signal 10 received: stopped at iteration (\d+)", out)
     assert stopped, out[-4000:]
     return out, int(stopped.group(1))
+
+
+def srun_on_two_nodes(srun: str, command: Sequence[str], launcher: str = "") -> list[str]:
+    """`srun` of `command` as one task on each of two nodes of the job, `launcher` (the
+    site's container launcher) in between. From inside a job step too, where the step's
+    SLURM_NTASKS (1 for `srun -n 1 make test-gpu`) is inherited and would cap the tasks at
+    one: hence `-n 2` next to `-N 2`. `--overlap`: the tasks share the CPUs of that step."""
+    return [srun, "--overlap", "-N", "2", "-n", "2", "--ntasks-per-node=1",
+            *shlex.split(launcher), *command]
 
 
 def slurm_job_output(cluster, job: int, timeout: float) -> str:
