@@ -50,11 +50,14 @@ class Expect:
 
 class Flag:
     """Annotation metadata: the key is also a command-line flag, `--<key>` (and `aliases`).
-    `model_parallel` flags exist only in the model-parallel scripts; `const` is the value of
-    the flag given without one (`--resume` alone means "auto")."""
+    `model_parallel` flags exist only in the model-parallel scripts, a `script`'s only in
+    that script; `const` is the value of the flag given without one (`--resume` alone
+    means "auto")."""
 
-    def __init__(self, *aliases: str, model_parallel: bool = False, const: str | None = None):
+    def __init__(self, *aliases: str, model_parallel: bool = False, script: str | None = None,
+                 const: str | None = None):
         self.aliases, self.model_parallel, self.const = aliases, model_parallel, const
+        self.script = script
 
 
 def _single_path_component(value: str) -> str:
@@ -138,6 +141,10 @@ class TrainingKeys(Keys):
     skip_initial_validation: Annotated[bool, Flag()] = Field(
         False, description="start training at once, without validating the untrained model "
                            "(no step-0 point on the curves)")
+    graph_warmup: Annotated[int, Ge(3), Flag(script="train_mp_graphs.py")] = Field(
+        20, description="eager steps before the CUDA-graph capture: they create the loss "
+        "scale and Adam's state the graph reuses (at least 3, PyTorch's warm-up for graphed "
+        "callables; a DDP model gets at least 11)")
 
 
 class RunKeys(Keys):
