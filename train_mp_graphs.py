@@ -16,7 +16,7 @@ adds on top of train_mp.py:
     before capturing a DDP backward; train_mp.py builds DDP on a side stream too). It also
     creates the loss scale and Adam's state: created inside the capture instead, every
     replay would reset them (the scale to 65536, Adam's moments to 0), so the schema asks
-    for at least 3 steps;
+    for at least 3 steps and `check_ready_for_capture` makes sure they exist;
   - static input/target buffers: each step copies the batch into them, then replays;
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
@@ -65,6 +65,27 @@ def warmup_steps(requested: int, ddp: bool) -> int:
     return requested
 
 
+def check_ready_for_capture(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                            optimizer_in_graph: bool) -> None:
+    """Raise unless everything the graph reuses exists before capture: the loss scale (and
+    its growth tracker) of an enabled scaler, and, when the graph holds the optimizer step,
+    the state of every parameter (Adam's `step`, `exp_avg`, `exp_avg_sq`). A tensor created
+    inside the capture is created again, with its first value, by every replay."""
+    missing = []
+    # GradScaler creates both lazily, at its first scale(); it has no public test for them.
+    if scaler.is_enabled() and (scaler._scale is None or scaler._growth_tracker is None):
+        missing.append("the loss scale")
+    if optimizer_in_graph:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stateless = sum(1 for p in params if not optimizer.state.get(p))
+        if stateless:
+            missing.append(f"the optimizer state of {stateless} of {len(params)} parameters")
+    if missing:
+        raise RuntimeError(f"no CUDA-graph capture yet: warm-up has not created "
+                           f"{' and '.join(missing)}, which every replay would then reset; "
+                           "run eager steps first")
+
+
 class GraphedStep(Step):
     """A `step` for train.train(): `prepare` captures the graph, each call replays it."""
 
@@ -103,6 +124,8 @@ class GraphedStep(Step):
                         optimizer_step(run, zero_grad=False)
                     run.optimizer.zero_grad(set_to_none=True)
             torch.cuda.current_stream(device).wait_stream(self.stream)
+            check_ready_for_capture(run.scaler, run.optimizer,
+                                    optimizer_in_graph=not run.scaler.is_enabled())
             log.info(f"Capturing the training step in a CUDA graph after {self.warmup_iters} "
                      "warm-up steps")
             self.graph = torch.cuda.CUDAGraph()

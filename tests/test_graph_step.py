@@ -1,8 +1,8 @@
 """train_mp_graphs.py's CUDA-graph step, the parts that need no GPU: how many eager steps
-warm up before capture (a schema key, `graph_warmup`), and the graph released on every
-ending before the process groups end (a captured NCCL collective keeps its communicator
-alive: NCCL >= 2.26 waits for the graph). The capture itself runs in the GPU self-test
-(tests/gpu/test_gpu_parallel.py)."""
+warm up before capture (a schema key, `graph_warmup`), the check that the warm-up has
+created what the graph reuses, and the graph released on every ending before the process
+groups end (a captured NCCL collective keeps its communicator alive: NCCL >= 2.26 waits for
+the graph). The capture itself runs in the GPU self-test (tests/gpu/test_gpu_parallel.py)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def test_too_few_warm_up_steps_are_refused_with_one_line(value):
     assert one_line(e) == f"bad value --graph_warmup {value}: expected int >= 3"
     with pytest.raises(FlagError, match="--graph_warmup: invalid int value: 'many'"):
         graph_config("--graph_warmup", "many")
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_capture_is_refused_until_warm_up_has_created_what_the_graph_reuses(graphs, amp):
+    """The check before capture, on the CPU objects a run builds: an fp16 graph scales the
+    loss with the scaler's scale tensor, a bf16 graph holds Adam's step; both must exist
+    before capture. One eager step creates them."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+    in_graph = not scaler.is_enabled()  # with loss scaling the optimizer steps eagerly
+    missing = "the loss scale" if amp == "fp16" else "the optimizer state of 2 of 2 parameters"
+    with pytest.raises(RuntimeError, match=f"warm-up has not created {missing}, which "
+                                           "every replay would then reset"):
+        graphs.check_ready_for_capture(scaler, optimizer, optimizer_in_graph=in_graph)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()  # one eager step
+    scaler.step(optimizer)
+    scaler.update()
+    graphs.check_ready_for_capture(scaler, optimizer, optimizer_in_graph=in_graph)
 
 
 class FakeGraph:
