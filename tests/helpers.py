@@ -339,6 +339,15 @@ def one_line(err: BaseException | pytest.ExceptionInfo) -> str:
     return msg
 
 
+def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                           tile: Any = None) -> torch.Tensor:
+    """sqrt of `evaluation.scores.weighted_mse_channels`: the RMSE of each sample (a score
+    averages MSEs over samples, not these: evaluation/scores.py), for tests of one sample."""
+    from evaluation.scores import weighted_mse_channels
+
+    return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
+
+
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, what: str,
                      rtol: float = 1e-5, atol: float = 0.0) -> None:
     """Same shape, and max |actual - expected| <= rtol * max |expected| + atol: a tolerance

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_IMG_SIZE, lat_weights
+from helpers import TINY_IMG_SIZE, lat_weights, weighted_rmse_channels
 
 from data.grid import Grid, crop_to, tutorial_grid
 from data.synthetic import grid_of
@@ -21,7 +21,6 @@ from evaluation.scores import (
     l2_loss,
     weighted_acc_channels,
     weighted_mse_channels,
-    weighted_rmse_channels,
 )
 
 RTOL, ATOL = 1e-5, 1e-6

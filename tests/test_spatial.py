@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
+from helpers import (
+    CONFIG_FILE,
+    assert_close_rel,
+    layout_of,
+    run_distributed,
+    weighted_rmse_channels,
+)
 
 from data.grid import tutorial_grid
 from distributed import comm
@@ -20,7 +26,6 @@ from evaluation.regions import region_weights
 from evaluation.scores import (
     relative_l2,
     weighted_acc_channels,
-    weighted_rmse_channels,
     whole_field,
 )
 from networks.loss import l2_loss as serial_l2_loss
