@@ -348,6 +348,13 @@ def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: to
     return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
 
 
+def kept_rows(modes: Any) -> list[int]:
+    """Global row indices of the Fourier modes a `networks.spectral.Modes` keeps, in the
+    order the spectrum stores them: frequencies 0 .. kh - 1, then the negative ones."""
+    H = modes.grid[0]
+    return list(range(modes.kh)) + list(range(H - modes.rows + modes.kh, H))
+
+
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, what: str,
                      rtol: float = 1e-5, atol: float = 0.0) -> None:
     """Same shape, and max |actual - expected| <= rtol * max |expected| + atol: a tolerance
