@@ -38,7 +38,7 @@ from distributed import comm
 from distributed.helpers import annotation_errors
 from distributed.layers import gather_full_state_dict, load_serial_state_dict
 from distributed.spatial import SpatialLayers, scatter_image
-from networks import build_model
+from networks import build_model, training_flops
 from networks.afno import (
     AFNONet,
     SerialGrid,
@@ -165,6 +165,16 @@ def test_cpu_afno_config_is_a_4_05_M_parameter_3_13_GFLOP_model() -> None:
     assert n == count_parameters(256, 6, 8, 20, 20, (8, 16), 8) == 4_052_480
     flops = training_flops_per_sample((64, 128), 8, 20, 20, 256, 6, 8)
     assert round(flops / 1e9, 2) == 3.13
+
+
+def test_the_full_size_afno_is_a_65_4_M_parameter_1_53_TFLOP_model() -> None:
+    """The sizes docs/spatial_parallelism.md gives (counted by formula: no 65 M model is
+    built here)."""
+    p = read_config(CONFIG_FILE, "afno", environ={})
+    n = count_parameters(p.embed_dim, p.depth, p.patch_size, p.n_in_channels,
+                         p.n_out_channels, (45, 90), p.num_blocks, p.mlp_ratio)
+    assert round(n / 1e6, 1) == 65.4
+    assert round(training_flops(p) / 1e12, 2) == 1.53
 
 
 def test_afno_sections_are_afno_models_and_vit_sections_stay_vit() -> None:
