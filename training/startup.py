@@ -1,8 +1,9 @@
 """A script's start-up, one call made before torch is imported: every script starts alike.
 
-    cfg = start(__doc__)                                    # train.py
-    cfg = start(__doc__, model_parallel=True)               # train_mp.py (+ --tp, --cp, ...)
-    args = start(__doc__, parse=parse_flags, stopped=...)   # inference.py: its own flags
+    cfg = start(__doc__)                                     # train.py
+    cfg = start(__doc__, model_parallel=True)                # train_mp.py (+ --tp, --cp, ...)
+    cfg = start(__doc__, True, script="train_mp_graphs.py")  # + its own --graph_warmup
+    args = start(__doc__, parse=parse_flags, stopped=...)    # inference.py: its own flags
 
 In this order:
   1. SIGUSR1 and SIGTERM end the process with one line from now on (training/signals.py):
