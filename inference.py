@@ -25,19 +25,23 @@ WeatherBench-2's forecast layout (evaluation/forecast_file.py).
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # First of all, before torch is imported (training/startup.py): a stop signal ends the
+    # run with one line; the flags are parsed and checked (a bad one: one `error:` line per
+    # job); OpenMP's idle threads get their wait policy (inference reads its data in this
+    # process).
+    from evaluation.inference_flags import parse_flags
+    from training.startup import start
+
+    args = start(__doc__, parse=parse_flags,
+                 stopped="before the evaluation finished: no scores were written")
+
 import argparse
 import glob
 import logging
 import os
-import sys
 import time
 from typing import Any
-
-from utils.openmp import busy_elsewhere, choose  # torch-free
-
-# Before torch loads OpenMP: how idle threads wait. Inference reads its data in this
-# process: its threads have the cores alone unless other work shares them (utils/openmp.py).
-os.environ.update(choose(workers=0, loader="pytorch", busy=busy_elsewhere()).env)
 
 import numpy as np
 import torch
@@ -72,41 +76,13 @@ from training.checkpoint import (
 from training.logs import config_logger, log_to_file
 from training.run_dirs import newest_checkpointed
 from training.script_exit import run_main
-from utils.config import add_flags, read_config, saved_config
+from utils.config import read_config, saved_config
 from utils.config_schema import Config
 from utils.errors import CheckpointError, ConfigError
 from utils.parallel_axes import MODEL_PARALLEL_KEYS
 from utils.precision import Precision, choose_precision
 
 log = logging.getLogger("inference")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
-    p.add_argument("--config", default=None,
-                   help="config section (default: the config saved in the checkpoint)")
-    p.add_argument("--run_num", default=None,
-                   help="with --config: which run of it (default: the one whose newest "
-                        "checkpoint was written last)")
-    p.add_argument("--run_dir", default=None, help="run directory: its newest checkpoint")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint file")
-    p.add_argument("--n_initial_conditions", type=int, default=None,
-                   help="spread evenly over the test split (default 32, or all if fewer)")
-    p.add_argument("--lead_steps", type=int, default=20, help="rollout steps (6 h each)")
-    p.add_argument("--batch_size", type=int, default=8,
-                   help="initial conditions rolled out together on each rank")
-    p.add_argument("--channels", nargs="+", default=[],
-                   help=f"channels to print besides {', '.join(HEADLINE_CHANNELS)}")
-    p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
-    p.add_argument("--out", default=None, help="output directory (default <run dir>/forecast)")
-    p.add_argument("--save_forecasts", default=None, metavar="PATH",
-                   help="also write the rollouts (physical units) to this Zarr store in "
-                        "WeatherBench-2's forecast layout")
-    # The evaluation's own layout (serial by default) and precision (default: the training
-    # config's), as the schema declares them.
-    return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
-                                                   "amp_mode"))
 
 
 # ------------------------------------------------------------------ which model, which config
@@ -154,8 +130,6 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
         if not isinstance(ckpt.get("params"), dict):
             raise ConfigError(f"{path} holds no config: give --config")
         cfg = saved_config(ckpt["params"], where=path)
-    positive("--lead_steps", args.lead_steps)
-    positive("--batch_size", args.batch_size)
     # A train_mp.py run saved its layout: the evaluation chooses its own. The schema checks
     # that the sizes fit the model (e.g. tp divides the heads), as for training.
     own = {key: getattr(args, key) or 1 for key in MODEL_PARALLEL_KEYS}
@@ -163,12 +137,6 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
         if getattr(args, key) is not None:
             own[key] = getattr(args, key)
     return cfg.replace(**own), ckpt
-
-
-def positive(name: str, value: Any) -> int:
-    if value is None or int(value) <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value}")
-    return int(value)
 
 
 # ------------------------------------------------------------------ the model
@@ -273,8 +241,8 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
              f"and tensorboard/ to {out_dir}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """Evaluate the model that the flags (`evaluation.inference_flags.parse_flags`) name."""
     # ---- checkpoint, config and initial conditions, before any process group exists: a
     # user error stops every rank alike, with one line
     notes: list[str] = []
@@ -347,4 +315,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main, sys.argv[1:])  # exit code 0, or 2 with one line for a user error
+    run_main(main, args)  # exit code 0, or 2 with one line for a user error

@@ -67,13 +67,6 @@ def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: tor
     return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-                           tile: Tile | None = None) -> torch.Tensor:
-    """sqrt of `weighted_mse_channels`: the RMSE of each sample (average MSEs, not these,
-    over samples: module docstring)."""
-    return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
-
-
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
                           climatology: torch.Tensor, weights: torch.Tensor,
                           tile: Tile | None = None) -> torch.Tensor:

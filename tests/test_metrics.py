@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_IMG_SIZE, lat_weights
+from helpers import TINY_IMG_SIZE, lat_weights, weighted_rmse_channels
 
 from data.grid import Grid, crop_to, tutorial_grid
 from data.synthetic import grid_of
@@ -20,7 +20,6 @@ from evaluation.regions import REGIONS, cell_areas, latitude_weights, region_wei
 from evaluation.scores import (
     weighted_acc_channels,
     weighted_mse_channels,
-    weighted_rmse_channels,
 )
 from networks.loss import LOSSES, build_loss, l2_loss
 from utils.config_schema import Config, expected

@@ -76,9 +76,9 @@ def test_matches_serial(tp: int, cp: int, world: int) -> None:
 def _annotations() -> None:
     comm.init(tp=2, cp=2)
     torch.manual_seed(0)
-    serial = VisionTransformer(img_size=(16, 32), **TINY)
+    serial = VisionTransformer(img_size=(16, 32), **{**TINY, "out_chans": 3})
     cfg = read_config(CONFIG_FILE, "tiny", environ={}).replace(
-        n_in_channels=3, n_out_channels=2, tp=2, cp=2)
+        n_in_channels=3, n_out_channels=3, tp=2, cp=2)  # a config forecasts what it reads
     model = vit_from_params(cfg, layers=layout_of(cfg).layers)  # what train_mp.py builds
     # every parameter is annotated: sharded over some groups, replicated over the others
     assert annotation_errors(model) == []

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
+from helpers import (
+    CONFIG_FILE,
+    assert_close_rel,
+    layout_of,
+    run_distributed,
+    weighted_rmse_channels,
+)
 from sharded import gather_image, scatter_image
 
 from data.grid import tutorial_grid
 from distributed import comm
 from distributed.spatial import tile_bounds
 from evaluation.regions import region_weights
-from evaluation.scores import weighted_acc_channels, weighted_rmse_channels, whole_field
+from evaluation.scores import weighted_acc_channels, whole_field
 from networks.loss import LOSSES, build_loss
 from utils.config import read_config
 from utils.tile import Tile

@@ -35,7 +35,7 @@ from training.profiling import StepProfiler
 from training.progress import Progress
 from training.setup import RunContext, peak_memory_gb
 from utils.config_schema import Config
-from utils.errors import ConfigError, DataError
+from utils.errors import DataError
 from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train")
@@ -90,8 +90,6 @@ def build_optimizer(cfg: Config, model: torch.nn.Module,
                     capturable: bool = False) -> torch.optim.Optimizer:
     """Adam; `capturable` (CUDA graphs) keeps the step on the GPU and the LR in a tensor
     that the scheduler updates in place, so a replayed graph sees the current LR."""
-    if cfg.optimizer != "Adam":
-        raise ConfigError(f"optimizer '{cfg.optimizer}' is not supported (use Adam)")
     lr: float | torch.Tensor = cfg.lr
     if capturable:
         lr = torch.tensor(float(cfg.lr), device=next(model.parameters()).device)

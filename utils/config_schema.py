@@ -38,11 +38,14 @@ class Expect:
 
 class Flag:
     """Annotation metadata: the key is also a command-line flag, `--<key>` (and `aliases`).
-    `model_parallel` flags exist only in the model-parallel scripts; `const` is the value of
-    the flag given without one (`--resume` alone means "auto")."""
+    `model_parallel` flags exist only in the model-parallel scripts, a `script`'s only in
+    that script; `const` is the value of the flag given without one (`--resume` alone
+    means "auto")."""
 
-    def __init__(self, *aliases: str, model_parallel: bool = False, const: str | None = None):
+    def __init__(self, *aliases: str, model_parallel: bool = False, script: str | None = None,
+                 const: str | None = None):
         self.aliases, self.model_parallel, self.const = aliases, model_parallel, const
+        self.script = script
 
 
 def _single_path_component(value: str) -> str:
@@ -85,7 +88,7 @@ class ModelKeys(Keys):
     depth: PosInt = Field(description="number of transformer / AFNO blocks")
     patch_size: PosInt = Field(description="side of the square patch that becomes one token")
     num_heads: PosInt = Field(8, description="attention heads (ViT)")
-    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim (AFNO)")
+    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim")
     num_blocks: PosInt = Field(8, description="block-diagonal blocks of the AFNO spectral weights")
     sparsity_threshold: NonNegFloat = Field(0.01, description="AFNO soft-shrink threshold")
     hard_thresholding_fraction: Annotated[float, Gt(0), Le(1)] = Field(
@@ -94,7 +97,9 @@ class ModelKeys(Keys):
     img_size: Annotated[list[PosInt], Len(2, 2)] = Field(
         description="grid [H, W] read from the data (the first H rows, W columns)")
     n_in_channels: PosInt = Field(description="input channels (20 in the ERA5 layout)")
-    n_out_channels: PosInt = Field(description="predicted channels")
+    n_out_channels: PosInt = Field(
+        description="predicted channels: the input's, n_in_channels (the forecast is the "
+                    "next input)")
 
 
 class TrainingKeys(Keys):
@@ -127,6 +132,10 @@ class TrainingKeys(Keys):
     skip_initial_validation: Annotated[bool, Flag()] = Field(
         False, description="start training at once, without validating the untrained model "
                            "(no step-0 point on the curves)")
+    graph_warmup: Annotated[int, Ge(3), Flag(script="train_mp_graphs.py")] = Field(
+        20, description="eager steps before the CUDA-graph capture: they create the loss "
+        "scale and Adam's state the graph reuses (at least 3, PyTorch's warm-up for graphed "
+        "callables; a DDP model gets at least 11)")
 
 
 class RunKeys(Keys):
@@ -223,6 +232,10 @@ def _check_widths(c: Config) -> None:
         if getattr(c, key) % c.tp:
             raise ValueError(f"{key} {getattr(c, key)} is not divisible by tp {c.tp} (--tp): "
                              "choose a tp that divides it")
+    hidden = int(c.embed_dim * c.mlp_ratio)
+    if c.model == "vit" and hidden % c.tp:
+        raise ValueError(f"the MLP's {hidden} hidden units (embed_dim {c.embed_dim} x mlp_ratio "
+                         f"{c.mlp_ratio}) are not divisible by tp {c.tp} (--tp)")
 
 
 def _check_splits(c: Config) -> None:
@@ -244,6 +257,15 @@ def _check_splits(c: Config) -> None:
     if missing:
         raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
                          f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
+
+
+def _check_channels(c: Config) -> None:
+    # The model forecasts the fields it reads: the target is the input t + dt, and a rollout
+    # (the multi-step loss, inference) feeds each forecast back in as the next input.
+    if c.n_out_channels != c.n_in_channels:
+        raise ValueError(f"n_out_channels {c.n_out_channels} differs from n_in_channels "
+                         f"{c.n_in_channels}: the model forecasts the fields it reads (each "
+                         "forecast is the next step's input); set both to the data's channels")
 
 
 def _check_rollout(c: Config) -> None:
@@ -280,6 +302,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_widths(self)
         _check_layout(self)
         _check_splits(self)
+        _check_channels(self)
         _check_rollout(self)
         return self
 
