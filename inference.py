@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import networks
-from data.era5_names import wb2_label
+from data.era5_names import HEADLINE, wb2_label
 from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
@@ -51,7 +51,6 @@ from distributed.layout import MODEL_PARALLEL_KEYS, Layout
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
-    HEADLINE_CHANNELS,
     Skill,
     describe_crossings,
     forecast_sums,
@@ -96,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=8,
                    help="initial conditions rolled out together on each rank")
     p.add_argument("--channels", nargs="+", default=[],
-                   help=f"channels to print besides {', '.join(HEADLINE_CHANNELS)}")
+                   help=f"channels to print besides {', '.join(HEADLINE)}")
     p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
     p.add_argument("--out", default=None, help="output directory (default <run dir>/forecast)")
     p.add_argument("--save_forecasts", default=None, metavar="PATH",
@@ -258,7 +257,7 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
                     for k, hours in enumerate(skill.lead_hours):
                         writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
                         writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
-    fig = skill_vs_lead(skill, HEADLINE_CHANNELS,
+    fig = skill_vs_lead(skill, HEADLINE,
                         f"{metadata['config']}, iteration {metadata['iteration']}: "
                         f"{skill.n_initial_conditions} initial conditions")
     fig.savefig(os.path.join(out_dir, "skill_vs_lead.png"), dpi=110)
@@ -341,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                     "forecasts": (os.path.abspath(args.save_forecasts)
                                   if args.save_forecasts else None),
                     "initial_conditions": [ic.to_dict() for ic in ics]}
-        report(skill, out_dir, [*HEADLINE_CHANNELS, *args.channels], maps,
+        report(skill, out_dir, [*HEADLINE, *args.channels], maps,
                args.map_channel, metadata)
 
 

@@ -70,6 +70,13 @@ def channel(name: str) -> Channel | None:
     return _BY_NAME.get(name)
 
 
+def units_of(name: str) -> str:
+    """The units of a channel (or derived variable) in the prepared files; '' for a channel
+    outside the table."""
+    c = channel(name)
+    return "" if c is None else c.units
+
+
 def wb2_label(name: str) -> str:
     """How WeatherBench-2 names a channel in its results: 'geopotential 500 hPa',
     '2m_temperature'; the name itself for a channel outside the table."""
