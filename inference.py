@@ -8,7 +8,8 @@ climatology.
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --h_parallel_size 2  # AFNO mesh
 
-    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr
+    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr \
+        --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
@@ -20,7 +21,8 @@ train_mp.py, any layout) evaluates serially or in any layout (distributed/layout
 --cp for the ViT, an h x w mesh for the AFNO). Results go to <run dir>/forecast/:
 skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
 (tensorboard/) and inference.log; with --save_forecasts, the rollouts as a Zarr dataset in
-WeatherBench-2's forecast layout (evaluation/forecast_file.py).
+WeatherBench-2's forecast layout (evaluation/forecast_file.py); with --save_truth, the truth
+at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from evaluation.forecast_skill import (
 )
 from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
+from evaluation.truth_file import write_truth
 from networks.rollout import rollout
 from training.checkpoint import (
     checkpoint_dir,
@@ -101,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_forecasts", default=None, metavar="PATH",
                    help="also write the rollouts (physical units) to this Zarr store in "
                         "WeatherBench-2's forecast layout")
+    p.add_argument("--save_truth", default=None, metavar="PATH",
+                   help="also write the truth at every valid time of the rollouts, on their "
+                        "grid, to this Zarr store in WeatherBench-2's ERA5 layout")
     # The evaluation's own layout (serial by default) and precision (default: the training
     # config's), as the schema declares them.
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
@@ -313,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
                          data.lead_hours(args.lead_steps), norm.grid, channels)
         comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
         save = (args.save_forecasts, ics.index(mine[0]))
+    if args.save_truth and rank == 0:
+        n = write_truth(args.save_truth, data, data.valid_times(ics, args.lead_steps)[0],
+                        norm.grid, channels)
+        log.info(f"Wrote the truth at {n} valid times to {args.save_truth}")
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
@@ -339,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                              "longitude": norm.grid.longitude.tolist()},
                     "forecasts": (os.path.abspath(args.save_forecasts)
                                   if args.save_forecasts else None),
+                    "truth": os.path.abspath(args.save_truth) if args.save_truth else None,
                     "initial_conditions": [ic.to_dict() for ic in ics]}
         report(skill, out_dir, [*HEADLINE, *args.channels], maps,
                args.map_channel, metadata)

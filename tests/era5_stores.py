@@ -13,6 +13,8 @@
                           names, `valid_time` + `pressure_level` (new CDS) or `time` +
                           `level` (older files), split by variable, level and/or month
 
+and `wb2_rule(forecast, truth)`, WeatherBench-2's alignment rule applied to two stores.
+
 Every value is `known(channel, hours since 1970, latitude, longitude)` (relative humidity in
 percent; the stores hold it as their convention has it), so a test can say which channel,
 row, column and sample a number in the prepared files must be. The values are of ERA5's
@@ -256,3 +258,25 @@ def poke(store: Path, variable: str, index: tuple, value: float) -> None:
 
     array = zarr.open_group(str(store), mode="r+")[variable]
     array[index] = value
+
+
+LEVELS = [500, 850]  # the levels every pressure-level variable of the 20 channels has
+VARIABLES = ["geopotential", "temperature", "relative_humidity", "2m_temperature",
+             "10m_u_component_of_wind"]
+
+
+def wb2_rule(forecast, truth, levels=LEVELS, variables=VARIABLES):
+    """WeatherBench-2's evaluation of a forecast store against a truth store, up to its
+    selection, written out: latitude made increasing in both, the forecast's latitude and
+    longitude equal to the truth's to 1e-3 before anything is selected (its
+    `open_source_files`), then the variables and levels asked for (`_impose_data_selection`).
+    Returns (forecast, truth), or raises an AssertionError / KeyError where it stops."""
+    def increasing(ds):
+        lat = ds.latitude.values
+        return ds.isel(latitude=slice(None, None, -1)) if (np.diff(lat) < 0).all() else ds
+
+    forecast, truth = increasing(forecast), increasing(truth)
+    for name in ("latitude", "longitude"):
+        np.testing.assert_allclose(forecast[name].values, truth[name].values, atol=1e-3)
+    forecast = forecast.assign_coords(latitude=truth.latitude, longitude=truth.longitude)
+    return (forecast[variables].sel(level=levels), truth[variables].sel(level=levels))

@@ -1,7 +1,8 @@
 """From a WeatherBench-2-layout Zarr store to scores and forecasts, as a user runs it:
 prepare_era5 on the command line (parallel workers, then SLURM-style array tasks), train.py
 for a few iterations on the prepared data, inference.py with regional scores, the seasonal
-climatology and --save_forecasts, and the forecast store read back with xarray.
+climatology, --save_forecasts and --save_truth (the two stores pass WeatherBench-2's rule and
+give skill.csv's numbers again).
 
 The store is made here (tests/era5_stores.py): three years (2016, a leap year, to 2018),
 6-hourly, the first 12 days of each, on an 11.25 degree grid with both poles (17 x 32)
@@ -17,8 +18,8 @@ import sys
 
 import numpy as np
 import pytest
-from era5_stores import wb2_zarr
-from helpers import REPO, child_env, run_script
+from era5_stores import wb2_rule, wb2_zarr
+from helpers import REPO, child_env, lat_weights, run_script
 
 YEARS = ["--train_years", "2016", "--valid_years", "2017", "--test_years", "2018"]
 REGIONS = ["global", "northern-hemisphere", "tropics", "southern-hemisphere"]
@@ -86,7 +87,8 @@ def evaluated(prepared, tmp_path_factory):
     zarr = logs / "forecasts.zarr"
     result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
                                          "--n_initial_conditions=5", "--batch_size=5",
-                                         f"--save_forecasts={zarr}"],
+                                         f"--save_forecasts={zarr}",
+                                         f"--save_truth={logs / 'truth.zarr'}"],
                         data_dir=out, log_dir=logs, timeout=TIMEOUT)
     assert result.returncode == 0, result.output[-3000:]
     forecast = train.exp_dir("tiny") / "forecast"
@@ -125,5 +127,35 @@ def test_forecasts_are_readable_by_xarray_with_the_right_coordinates(evaluated, 
     np.testing.assert_allclose(ds.latitude.values, np.load(out / "stats" / "latitude.npy")[::-1])
     np.testing.assert_allclose(ds.longitude.values, 11.25 * np.arange(32))
     assert ds["geopotential"].attrs["units"] == "m**2 s**-2"
+    humidity = ds["relative_humidity"].sel(level=500, prediction_timedelta=np.timedelta64(0, "h"))
+    assert humidity.attrs["units"] == "1" and 0 < float(humidity.mean()) < 1  # as WB2's
     lead = ds["2m_temperature"].sel(prediction_timedelta=np.timedelta64(0, "h")).values
     assert np.isfinite(lead).all() and 100 < float(np.mean(lead)) < 1000
+
+
+def _skill_csv(path, column: str) -> dict[tuple[str, str, int], float]:
+    rows = [r.split(",") for r in path.read_text().splitlines()]
+    k = rows[0].index(column)
+    return {(r[0], r[1], int(r[5])): float(r[k]) for r in rows[1:]}
+
+
+@pytest.mark.e2e
+def test_the_forecast_and_truth_stores_pass_weatherbench2s_rule_and_give_our_scores(
+        evaluated):
+    """--crop_rows 16 made a grid the public store does not have: against the truth store
+    --save_truth wrote, WeatherBench-2's rule holds, and its MSE (its latitude weights, the
+    mean over initial times) is skill.csv's RMSE squared, at every lead."""
+    import xarray as xr
+
+    result, forecast_dir, zarr = evaluated
+    forecast, truth = wb2_rule(xr.open_zarr(zarr), xr.open_zarr(zarr.parent / "truth.zarr"))
+    valid = np.unique(forecast.time.values[:, None] + forecast.prediction_timedelta.values)
+    np.testing.assert_array_equal(truth.time.values, valid)  # every valid time, no other
+    assert f"Wrote the truth at {len(valid)} valid times" in result.stdout
+    weights = np.array(lat_weights(list(truth.latitude.values)))[:, None]
+    rmse = _skill_csv(forecast_dir / "skill.csv", "rmse_model")
+    for k, lead in enumerate(forecast.prediction_timedelta.values):
+        f = forecast["geopotential"].sel(level=500).isel(prediction_timedelta=k)
+        t = truth["geopotential"].sel(level=500, time=f.time + lead)
+        mse = (weights * (f.values - t.values) ** 2).mean(axis=(1, 2)).mean()
+        assert np.sqrt(mse) == pytest.approx(rmse[("global", "z500", k)], rel=1e-4), k
