@@ -10,6 +10,7 @@ climatology.
 
     python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr \
         --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
+    python inference.py --run_dir DIR --climatology CLIM.zarr  # WeatherBench-2's climatology
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
@@ -22,7 +23,9 @@ train_mp.py, any layout) evaluates serially or in any layout (distributed/layout
 skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
 (tensorboard/) and inference.log; with --save_forecasts, the rollouts as a Zarr dataset in
 WeatherBench-2's forecast layout (evaluation/forecast_file.py); with --save_truth, the truth
-at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py).
+at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py);
+with --climatology, ACC and the climatology baseline against WeatherBench-2's climatology
+store (evaluation/wb2_climatology.py) instead of the data set's own.
 """
 
 from __future__ import annotations
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_truth", default=None, metavar="PATH",
                    help="also write the truth at every valid time of the rollouts, on their "
                         "grid, to this Zarr store in WeatherBench-2's ERA5 layout")
+    p.add_argument("--climatology", default=None, metavar="PATH",
+                   help="WeatherBench-2's climatology store (dayofyear x hour) for ACC and "
+                        "the climatology baseline (default: the data set's own)")
     # The evaluation's own layout (serial by default) and precision (default: the training
     # config's), as the schema declares them.
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
@@ -211,7 +217,7 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
     example = None
     for start in range(0, len(ics), batch_size):
         batch = ics[start: start + batch_size]
-        _, phase, hour = data.valid_times(batch, lead_steps)
+        hours, phase, hour = data.valid_times(batch, lead_steps)
         with torch.inference_mode():  # no autograd bookkeeping at all
             truth = data.read(batch, lead_steps, tile).to(device)
             with precision.autocast():
@@ -223,7 +229,8 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
                 example = whole_field(torch.stack([truth[0, :, map_channel],
                                                    forecast[0, :, map_channel]]), tile)
             sums += forecast_sums(refs.extend(forecast), refs.extend(truth),
-                                  refs.climatology(phase, hour), refs.time_mean, norm.weights,
+                                  refs.climatology(phase, hour, hours), refs.time_mean,
+                                  norm.weights,
                                   tile)
     return sums, example.cpu().numpy()
 
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
     norm = Normaliser(cfg, layout.device)
-    refs = References(cfg, norm, channels, layout.tile)
+    refs = References(cfg, norm, channels, layout.tile, store=args.climatology)
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
              f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
              f"grid {norm.grid.describe()}; regions {', '.join(norm.regions)}; "

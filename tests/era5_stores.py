@@ -12,6 +12,8 @@
     cds_netcdf(dir, ...)  CDS downloads: single-level and pressure-level NetCDF files, short
                           names, `valid_time` + `pressure_level` (new CDS) or `time` +
                           `level` (older files), split by variable, level and/or month
+    wb2_climatology(...)  a WeatherBench-2 climatology store: dayofyear x hour, every value
+                          `clim_known(channel, day, hour, latitude, longitude)`
 
 and `wb2_rule(forecast, truth)`, WeatherBench-2's alignment rule applied to two stores.
 
@@ -258,6 +260,55 @@ def poke(store: Path, variable: str, index: tuple, value: float) -> None:
 
     array = zarr.open_group(str(store), mode="r+")[variable]
     array[index] = value
+
+
+def clim_known(name: str, day: np.ndarray, hour: np.ndarray, lat: np.ndarray,
+               lon: np.ndarray) -> np.ndarray:
+    """(..., H, W) float32 climatology of a channel (percent for relative humidity; ws10:
+    10 m wind speed) at days of year and hours: distinct per channel, day, hour and place."""
+    c = (CHANNEL_NAMES + ("ws10",)).index(name)
+    day = np.asarray(day, dtype=np.float64)[..., None, None]
+    hour = np.asarray(hour, dtype=np.float64)[..., None, None]
+    base = 30.0 if name == "tcwv" else 280.0 if name == "t2m" else 5.0 if name == "ws10" \
+        else _BASE[name[0]]
+    values = (base + c / 3.0 + np.cos(2 * np.pi * day / 366.0) + hour / 24.0
+              + np.asarray(lat)[:, None] / 16.0 + np.asarray(lon)[None, :] / 128.0)
+    return values.astype(np.float32)
+
+
+def wb2_climatology(path: Path, lat: np.ndarray, lon: np.ndarray,
+                    hours: tuple[int, ...] = (0, 6, 12, 18)) -> Path:
+    """A climatology store in WeatherBench-2's layout (dayofyear 1 .. 366 x hour, its
+    variable names and units: relative humidity a fraction; 10m_wind_speed; dimensions in
+    its order, hour first), every value `clim_known`."""
+    import xarray as xr
+
+    day, hour = np.arange(1, 367), np.asarray(hours)
+    dd, hh = np.meshgrid(day, hour, indexing="ij")
+    levels = sorted({c.level for c in CHANNELS if c.level is not None} | {700})
+    data = {}
+    for c in (*CHANNELS, None):
+        name, variable, units = ("ws10", "10m_wind_speed", "m s**-1") if c is None else (
+            c.name, c.variable, c.units)
+        values = clim_known(name, dd, hh, lat, lon)  # (day, hour, H, W)
+        if variable == "relative_humidity":
+            values, units = values / np.float32(100), "1"
+        if c is None or c.level is None:
+            data[variable] = (("dayofyear", "hour", "latitude", "longitude"), values,
+                              {"units": units})
+            continue
+        if variable not in data:
+            data[variable] = (("dayofyear", "hour", "level", "latitude", "longitude"),
+                              np.zeros((len(day), len(hour), len(levels), len(lat), len(lon)),
+                                       np.float32), {"units": units})
+        data[variable][1][:, :, levels.index(c.level)] = values
+    ds = xr.Dataset(data, coords={
+        "dayofyear": day, "hour": hour, "level": np.asarray(levels, dtype=np.int64),
+        "latitude": ("latitude", np.asarray(lat, np.float64)),
+        "longitude": ("longitude", np.asarray(lon, np.float64))})
+    ds = ds.transpose("hour", "dayofyear", ...)
+    ds.to_zarr(path, mode="w", zarr_format=2, consolidated=True)
+    return path
 
 
 LEVELS = [500, 850]  # the levels every pressure-level variable of the 20 channels has

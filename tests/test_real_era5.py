@@ -2,7 +2,8 @@
 prepare_era5 on the command line (parallel workers, then SLURM-style array tasks), train.py
 for a few iterations on the prepared data, inference.py with regional scores, the seasonal
 climatology, --save_forecasts and --save_truth (the two stores pass WeatherBench-2's rule and
-give skill.csv's numbers again).
+give skill.csv's numbers again), and with --climatology (WeatherBench-2's climatology
+store as ACC's reference and the climatology baseline).
 
 The store is made here (tests/era5_stores.py): three years (2016, a leap year, to 2018),
 6-hourly, the first 12 days of each, on an 11.25 degree grid with both poles (17 x 32)
@@ -18,7 +19,7 @@ import sys
 
 import numpy as np
 import pytest
-from era5_stores import wb2_rule, wb2_zarr
+from era5_stores import clim_known, grid, wb2_climatology, wb2_rule, wb2_zarr
 from helpers import REPO, child_env, lat_weights, run_script
 
 YEARS = ["--train_years", "2016", "--valid_years", "2017", "--test_years", "2018"]
@@ -159,3 +160,49 @@ def test_the_forecast_and_truth_stores_pass_weatherbench2s_rule_and_give_our_sco
         t = truth["geopotential"].sel(level=500, time=f.time + lead)
         mse = (weights * (f.values - t.values) ** 2).mean(axis=(1, 2)).mean()
         assert np.sqrt(mse) == pytest.approx(rmse[("global", "z500", k)], rel=1e-4), k
+
+
+@pytest.fixture(scope="module")
+def with_wb2_climatology(prepared, evaluated, tmp_path_factory):
+    """inference.py --climatology on a store in WeatherBench-2's layout on the source's
+    17-row grid (the data is its first 16 rows)."""
+    out, _ = prepared
+    lat, lon = grid(17, 32)
+    store = wb2_climatology(tmp_path_factory.mktemp("clim") / "clim.zarr", lat, lon)
+    logs = evaluated[2].parent  # LOG_DIR of the trained run
+    result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
+                                         "--n_initial_conditions=5", "--batch_size=5",
+                                         f"--climatology={store}",
+                                         f"--out={logs / 'with_clim'}"],
+                        data_dir=out, log_dir=logs, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    return result, logs / "with_clim"
+
+
+@pytest.mark.e2e
+def test_weatherbench2s_climatology_store_is_the_climatology_baseline(with_wb2_climatology,
+                                                                       evaluated):
+    """The climatology baseline's RMSE is that of the store's entries at each valid time's
+    day of year and hour against the truth store; ACC is measured against them."""
+    import xarray as xr
+
+    result, out = with_wb2_climatology
+    skill = json.loads((out / "skill.json").read_text())
+    assert skill["climatology"].startswith("WeatherBench-2 climatology store")
+    assert "(day of year x hour)" in result.stdout
+    truth = xr.open_zarr(evaluated[2].parent / "truth.zarr").sortby("latitude", ascending=False)
+    lat, lon = truth.latitude.values, truth.longitude.values
+    weights = np.array(lat_weights(list(lat)))[:, None]
+    initial = xr.open_zarr(evaluated[2]).time.values  # the same initial times
+    rmse = _skill_csv(out / "skill.csv", "rmse_climatology")
+    for k in range(5):
+        valid = initial + np.timedelta64(6 * k, "h")
+        day = (valid.astype("datetime64[D]") - valid.astype("datetime64[Y]")).astype(int) + 1
+        hour = (valid.astype("datetime64[h]").astype(int) % 24)
+        clim = clim_known("t2m", day, hour, lat, lon).astype(np.float64)
+        t = truth["2m_temperature"].sel(time=valid).values
+        mse = (weights * (clim - t) ** 2).mean(axis=(1, 2)).mean()
+        assert np.sqrt(mse) == pytest.approx(rmse[("global", "t2m", k)], rel=1e-4), k
+    acc = skill["channels"]["t2m"]["acc"]["model"]
+    assert all(np.isfinite(acc)) and acc != json.loads(
+        (evaluated[1] / "skill.json").read_text())["channels"]["t2m"]["acc"]["model"]

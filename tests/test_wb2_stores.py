@@ -1,6 +1,6 @@
-"""Forecasts and truth in WeatherBench-2's layouts, on every grid the
+"""Forecasts, truth and climatology in WeatherBench-2's layouts, on every grid the
 preparation makes (evaluation/forecast_file.py, evaluation/truth_file.py,
-data/forecast.py), on small stores made here:
+evaluation/wb2_climatology.py, data/forecast.py), on small stores made here:
 
   - WeatherBench-2's rule (tests/era5_stores.py: `wb2_rule`), as its
     `evaluation.open_source_files` and `_impose_data_selection` apply it: latitude made
@@ -9,7 +9,9 @@ data/forecast.py), on small stores made here:
     forecasts against the truth store `--save_truth` writes, on the native grid (ascending
     without poles, or with poles), a crop and block means; on a native grid the source
     store itself serves as the truth;
-  - rollouts from the last days of a test year read their truth from the next one.
+  - rollouts from the last days of a test year read their truth from the next one;
+  - WeatherBench-2's climatology store (dayofyear x hour) gives ACC's reference at each
+    valid time's day of year and hour, on the grid or a crop of it.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from era5_stores import VARIABLES, wb2_rule, wb2_zarr
+from era5_stores import VARIABLES, clim_known, grid, wb2_climatology, wb2_rule, wb2_zarr
 from helpers import CONFIG_FILE
 
 from data import prepare_era5
+from data.era5_names import CHANNEL_NAMES
 from data.forecast import RolloutData
 from evaluation.forecast_file import create_store, write_forecasts
+from evaluation.references import References
 from evaluation.scores import Normaliser
 from evaluation.truth_file import write_truth
+from evaluation.wb2_climatology import day_and_hour
 from utils.config import read_config
+from utils.errors import DataError
+from utils.tile import Tile
 
 LEAD = 3
 
@@ -127,3 +134,50 @@ def test_a_rollout_from_late_december_reads_its_truth_from_the_next_year(tmp_pat
                                atol=1e-6)
     assert ics[-1].file.endswith("2017.h5") and ics[-1].index == 1460 - lead - 1
     data.close()
+
+
+# ------------------------------------------------------------------ climatology store
+@pytest.fixture(scope="module")
+def prepared_with_poles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clim")
+    source = wb2_zarr(root / "source.zarr", [2017, 2018], rows=9, cols=16, days=3)
+    prepare_era5.main([str(source), str(root / "out"), "--train_years", "2017",
+                       "--test_years", "2018", "--max_samples", "12", "--crop_rows", "8"])
+    lat, lon = grid(9, 16)
+    return root, wb2_climatology(root / "clim.zarr", lat[::-1].copy(), lon)  # ascending
+
+
+def test_weatherbench2s_climatology_store_is_the_anomaly_reference(prepared_with_poles):
+    """At each valid time: the entry of its day of year and hour, on the data's grid (a
+    crop of the store's), relative humidity in percent, in the scores' units."""
+    root, store = prepared_with_poles
+    cfg = config(root / "out", (8, 16))
+    norm = Normaliser(cfg, torch.device("cpu"))
+    data = RolloutData(cfg, cfg.inf_data_path)
+    channels = data.channel_names()
+    refs = References(cfg, norm, channels, Tile.whole((8, 16)), store=str(store))
+    assert refs.channels == [*CHANNEL_NAMES, "ws10"] and "day of year x hour" in refs.kind
+    ics = data.pick(2, LEAD)
+    hours, phase, hour = data.valid_times(ics, LEAD)
+    got = refs.climatology(phase, hour, hours).double()
+    day, hh = day_and_hour(hours)
+    assert day[0, 0] == 1 and list(hh[0]) == [0, 6, 12, 18][:LEAD + 1]
+    lat, lon = norm.grid.latitude, norm.grid.longitude
+    for c, name in enumerate(refs.channels):
+        physical = clim_known(name, day, hh, lat, lon).astype(np.float64)
+        scored = (physical - refs.offset[c].item()) / refs.scale[c].item()
+        np.testing.assert_allclose(got[:, :, c].numpy(), scored, rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+    data.close()
+
+
+def test_a_climatology_store_on_another_grid_is_refused_in_one_line(prepared_with_poles,
+                                                                    tmp_path):
+    root, _ = prepared_with_poles
+    lat, lon = grid(9, 16)
+    coarse = wb2_climatology(tmp_path / "coarse.zarr", lat[::2].copy(), lon[::2].copy())
+    cfg = config(root / "out", (8, 16))
+    norm = Normaliser(cfg, torch.device("cpu"))
+    with pytest.raises(DataError, match=r"coarse.zarr: its latitude \(5 values, -90 .. 90\) "
+                                        r"has no 67.5, a latitude of the grid scored"):
+        References(cfg, norm, list(CHANNEL_NAMES), Tile.whole((8, 16)), store=str(coarse))
