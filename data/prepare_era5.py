@@ -45,12 +45,15 @@ from utils.errors import EXIT_USER_ERROR, DataError
 
 SPLITS = ("train", "valid", "test")
 EPILOG = """\
-memory (peak, per worker): one batch of the source's fields at a time, about
-  3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read, stacked,
-  flipped or block-averaged), plus for a training year its statistics sums,
-  14 x 21 x H x W x 8 bytes (H x W: the output grid), plus ~0.2 GB of Python and libraries.
-  0.25 degrees (721 x 1440), batch 8: ~2 GB for the batch and 2.4 GB for the sums (0.6 GB
-  with --coarsen 2); 2.8125 degrees (64 x 128), batch 8: 0.29 GB measured. Times --workers.
+memory (peak, per worker): the chunks a batch reads, decoded while it is read (a store
+  chunk holds one time of a variable, all its levels): batch_size x ~295 MB at 0.25
+  degrees from WeatherBench-2, x ~795 MB from ARCO-ERA5 (37 levels); then the batch's
+  fields, about 3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read,
+  stacked, flipped or block-averaged); for a training year its statistics sums,
+  14 x 21 x H x W x 8 bytes (H x W: the output grid); ~0.2 GB of Python and libraries.
+  0.25 degrees, batch 8: ~2.4 GB of chunks (ARCO ~6.4 GB), ~2 GB for the fields, 2.4 GB
+  for the sums (0.6 GB with --coarsen 2); 5.625 degrees, batch 32: 0.22 GB measured.
+  Times --workers.
 
 SLURM: one array task per year (tasks count the train, then valid, then test years), then
   one run without --task to verify every year and merge the statistics:
