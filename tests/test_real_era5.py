@@ -78,6 +78,15 @@ def test_array_tasks_then_a_merge_make_the_same_files(store, prepared, tmp_path)
         "error: --task 3: there are 3 years (0 .. 2)"
 
 
+@pytest.mark.e2e
+def test_the_old_command_runs_the_preparation(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "utils.data.prepare_era5", str(tmp_path / "x"),
+                          str(tmp_path / "out"), "--train_years", "2016"], cwd=REPO,
+                         env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 2 and run.stderr.strip() == \
+        f"error: source {tmp_path / 'x'} does not exist"
+
+
 @pytest.fixture(scope="module")
 def evaluated(prepared, tmp_path_factory):
     out, _ = prepared
