@@ -8,7 +8,9 @@ climatology.
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --h_parallel_size 2  # AFNO mesh
 
-    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr
+    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr \
+        --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
+    python inference.py --run_dir DIR --climatology CLIM.zarr  # WeatherBench-2's climatology
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
@@ -20,7 +22,10 @@ train_mp.py, any layout) evaluates serially or in any layout (distributed/layout
 --cp for the ViT, an h x w mesh for the AFNO). Results go to <run dir>/forecast/:
 skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
 (tensorboard/) and inference.log; with --save_forecasts, the rollouts as a Zarr dataset in
-WeatherBench-2's forecast layout (evaluation/forecast_file.py).
+WeatherBench-2's forecast layout (evaluation/forecast_file.py); with --save_truth, the truth
+at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py);
+with --climatology, ACC and the climatology baseline against WeatherBench-2's climatology
+store (evaluation/wb2_climatology.py) instead of the data set's own.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import numpy as np
 import torch
 
 import networks
-from data.era5_names import wb2_label
+from data.era5_names import HEADLINE, wb2_label
 from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
@@ -55,7 +60,6 @@ from distributed.layout import Layout
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
-    HEADLINE_CHANNELS,
     Skill,
     describe_crossings,
     forecast_sums,
@@ -66,6 +70,7 @@ from evaluation.forecast_skill import (
 )
 from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
+from evaluation.truth_file import write_truth
 from networks.rollout import rollout
 from training.checkpoint import (
     checkpoint_dir,
@@ -175,7 +180,7 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
     example = None
     for start in range(0, len(ics), batch_size):
         batch = ics[start: start + batch_size]
-        _, phase, hour = data.valid_times(batch, lead_steps)
+        hours, phase, hour = data.valid_times(batch, lead_steps)
         with torch.inference_mode():  # no autograd bookkeeping at all
             truth = data.read(batch, lead_steps, tile).to(device)
             with precision.autocast():
@@ -187,7 +192,8 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
                 example = whole_field(torch.stack([truth[0, :, map_channel],
                                                    forecast[0, :, map_channel]]), tile)
             sums += forecast_sums(refs.extend(forecast), refs.extend(truth),
-                                  refs.climatology(phase, hour), refs.time_mean, norm.weights,
+                                  refs.climatology(phase, hour, hours), refs.time_mean,
+                                  norm.weights,
                                   tile)
     return sums, example.cpu().numpy()
 
@@ -227,7 +233,7 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
                     for k, hours in enumerate(skill.lead_hours):
                         writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
                         writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
-    fig = skill_vs_lead(skill, HEADLINE_CHANNELS,
+    fig = skill_vs_lead(skill, HEADLINE,
                         f"{metadata['config']}, iteration {metadata['iteration']}: "
                         f"{skill.n_initial_conditions} initial conditions")
     fig.savefig(os.path.join(out_dir, "skill_vs_lead.png"), dpi=110)
@@ -271,7 +277,7 @@ def main(args: argparse.Namespace) -> None:
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
     norm = Normaliser(cfg, layout.device)
-    refs = References(cfg, norm, channels, layout.tile)
+    refs = References(cfg, norm, channels, layout.tile, store=args.climatology)
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
              f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
              f"grid {norm.grid.describe()}; regions {', '.join(norm.regions)}; "
@@ -283,6 +289,10 @@ def main(args: argparse.Namespace) -> None:
                          data.lead_hours(args.lead_steps), norm.grid, channels)
         comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
         save = (args.save_forecasts, ics.index(mine[0]))
+    if args.save_truth and rank == 0:
+        n = write_truth(args.save_truth, data, data.valid_times(ics, args.lead_steps)[0],
+                        norm.grid, channels)
+        log.info(f"Wrote the truth at {n} valid times to {args.save_truth}")
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
@@ -309,8 +319,9 @@ def main(args: argparse.Namespace) -> None:
                              "longitude": norm.grid.longitude.tolist()},
                     "forecasts": (os.path.abspath(args.save_forecasts)
                                   if args.save_forecasts else None),
+                    "truth": os.path.abspath(args.save_truth) if args.save_truth else None,
                     "initial_conditions": [ic.to_dict() for ic in ics]}
-        report(skill, out_dir, [*HEADLINE_CHANNELS, *args.channels], maps,
+        report(skill, out_dir, [*HEADLINE, *args.channels], maps,
                args.map_channel, metadata)
 
 

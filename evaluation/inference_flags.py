@@ -38,6 +38,12 @@ def flag_parser(description: str = "") -> FlagParser:
     p.add_argument("--save_forecasts", default=None, metavar="PATH",
                    help="also write the rollouts (physical units) to this Zarr store in "
                         "WeatherBench-2's forecast layout")
+    p.add_argument("--save_truth", default=None, metavar="PATH",
+                   help="also write the truth at every valid time of the rollouts, on their "
+                        "grid, to this Zarr store in WeatherBench-2's ERA5 layout")
+    p.add_argument("--climatology", default=None, metavar="PATH",
+                   help="WeatherBench-2's climatology store (dayofyear x hour) for ACC and "
+                        "the climatology baseline (default: the data set's own)")
     # The evaluation's own layout (serial by default) and precision (default: the training
     # config's), as the schema declares them.
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_FLAGS, "amp_mode"))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from data.dataset import load_stats, load_stds, score_grid
+from data.era5_names import CHANNEL_NAMES
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor
@@ -33,6 +34,10 @@ from utils.config_schema import Config
 from utils.errors import DataError
 from utils.precision import Precision
 from utils.tile import Tile
+
+# The channels training-time validation reports (the tutorial's): RMSE and ACC of u10, ACC
+# and the example map of t2m, by their place in the data contract's channel order.
+U10, T2M = CHANNEL_NAMES.index("u10"), CHANNEL_NAMES.index("t2m")
 
 
 def _tile_of(x: torch.Tensor, tile: Tile | None) -> Tile:
@@ -141,7 +146,8 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
     # [loss x samples, mse_u10, persistence mse_u10, acc_u10, acc_t2m], summed over samples
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     samples, first = 0, None
-    var_u10 = norm.stds[0, 0, 0, 0].double() ** 2
+    var_u10 = norm.stds[0, U10, 0, 0].double() ** 2
+    u10, both = slice(U10, U10 + 1), [U10, T2M]
     for i, (inp, tar) in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -149,15 +155,15 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
         with precision.autocast():
             gen = model(inp)
         gen = gen.float()
-        mse = weighted_mse_channels(gen[:, :1], tar[:, :1], weights, tile)
-        persist = weighted_mse_channels(inp[:, :1], tar[:, :1], weights, tile)
-        skill = weighted_acc_channels(gen[:, :3:2], tar[:, :3:2], climatology[:, :3:2],
+        mse = weighted_mse_channels(gen[:, u10], tar[:, u10], weights, tile)
+        persist = weighted_mse_channels(inp[:, u10], tar[:, u10], weights, tile)
+        skill = weighted_acc_channels(gen[:, both], tar[:, both], climatology[:, both],
                                       weights, tile)
         sums += torch.stack([loss_fn(gen, tar) * inp.shape[0], mse.sum(),
                              persist.sum(), skill[:, 0].sum(), skill[:, 1].sum()]).double()
         samples += inp.shape[0]
         if first is None:  # t2m of the first sample: input, target, forecast, whole grid
-            maps = whole_field(torch.stack([inp[0, 2], tar[0, 2], gen[0, 2]]), tile)
+            maps = whole_field(torch.stack([inp[0, T2M], tar[0, T2M], gen[0, T2M]]), tile)
             first = tuple(m.cpu().numpy() for m in maps)
     totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp")
     n = max(totals[5].item(), 1.0)

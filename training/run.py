@@ -24,7 +24,7 @@ from data.checks import BatchScan
 from data.loader import get_loader
 from distributed import comm
 from distributed.layout import Layout
-from evaluation.scores import Normaliser, validate
+from evaluation.scores import T2M, Normaliser, validate
 from networks.loss import build_loss
 from training import compiling
 from training.checkpoint import Checkpointer, load_weights, resolve_resume
@@ -181,7 +181,7 @@ class Training:
         val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
                        self.layout, self.ctx.precision, self.norm)
         val_time = time.time() - start
-        p, t2m = self.progress, self.norm.channel(2)
+        p, t2m = self.progress, self.norm.channel(T2M)
         if train_time is None:
             self.log.scalars(0, {"Loss/train": val["loss"]})
             log.info(f"Initial val loss={val['loss']:.6f}, RMSE(u10m)="
