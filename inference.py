@@ -8,7 +8,9 @@ climatology.
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --tp 2   # tensor-parallel model
     torchrun --nproc_per_node 2 inference.py --run_dir DIR --h_parallel_size 2  # AFNO mesh
 
-    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr
+    python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr \
+        --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
+    python inference.py --run_dir DIR --climatology CLIM.zarr  # WeatherBench-2's climatology
 
 From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
 then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
@@ -20,38 +22,44 @@ train_mp.py, any layout) evaluates serially or in any layout (distributed/layout
 --cp for the ViT, an h x w mesh for the AFNO). Results go to <run dir>/forecast/:
 skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
 (tensorboard/) and inference.log; with --save_forecasts, the rollouts as a Zarr dataset in
-WeatherBench-2's forecast layout (evaluation/forecast_file.py).
+WeatherBench-2's forecast layout (evaluation/forecast_file.py); with --save_truth, the truth
+at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py);
+with --climatology, ACC and the climatology baseline against WeatherBench-2's climatology
+store (evaluation/wb2_climatology.py) instead of the data set's own.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":
+    # First of all, before torch is imported (training/startup.py): a stop signal ends the
+    # run with one line; the flags are parsed and checked (a bad one: one `error:` line per
+    # job); OpenMP's idle threads get their wait policy (inference reads its data in this
+    # process).
+    from evaluation.inference_flags import parse_flags
+    from training.startup import start
+
+    args = start(__doc__, parse=parse_flags,
+                 stopped="before the evaluation finished: no scores were written")
 
 import argparse
 import glob
 import logging
 import os
-import sys
 import time
 from typing import Any
-
-from utils.openmp import busy_elsewhere, choose  # torch-free
-
-# Before torch loads OpenMP: how idle threads wait. Inference reads its data in this
-# process: its threads have the cores alone unless other work shares them (utils/openmp.py).
-os.environ.update(choose(workers=0, loader="pytorch", busy=busy_elsewhere()).env)
 
 import numpy as np
 import torch
 
 import networks
-from data.era5_names import wb2_label
+from data.era5_names import HEADLINE, wb2_label
 from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
-from distributed.layout import MODEL_PARALLEL_KEYS, Layout
+from distributed.layout import Layout
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
-    HEADLINE_CHANNELS,
     Skill,
     describe_crossings,
     forecast_sums,
@@ -62,6 +70,7 @@ from evaluation.forecast_skill import (
 )
 from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
+from evaluation.truth_file import write_truth
 from networks.rollout import rollout
 from training.checkpoint import (
     latest_checkpoint,
@@ -71,40 +80,13 @@ from training.checkpoint import (
 from training.logs import config_logger, log_to_file
 from training.run_dirs import checkpoint_of_run, newest_checkpointed
 from training.script_exit import run_main
-from utils.config import add_flags, read_config, saved_config
+from utils.config import read_config, saved_config
 from utils.config_schema import Config
 from utils.errors import CheckpointError, ConfigError
+from utils.parallel_axes import MODEL_PARALLEL_KEYS
 from utils.precision import Precision, choose_precision
 
 log = logging.getLogger("inference")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--yaml_config", default="./config/ViT.yaml", type=str)
-    p.add_argument("--config", default=None,
-                   help="config section (default: the config saved in the checkpoint)")
-    p.add_argument("--run_num", default=None,
-                   help="with --config: which run of it (default: the one whose newest "
-                        "checkpoint was written last)")
-    p.add_argument("--run_dir", default=None, help="run directory: its newest checkpoint")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint file")
-    p.add_argument("--n_initial_conditions", type=int, default=None,
-                   help="spread evenly over the test split (default 32, or all if fewer)")
-    p.add_argument("--lead_steps", type=int, default=20, help="rollout steps (6 h each)")
-    p.add_argument("--batch_size", type=int, default=8,
-                   help="initial conditions rolled out together on each rank")
-    p.add_argument("--channels", nargs="+", default=[],
-                   help=f"channels to print besides {', '.join(HEADLINE_CHANNELS)}")
-    p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
-    p.add_argument("--out", default=None, help="output directory (default <run dir>/forecast)")
-    p.add_argument("--save_forecasts", default=None, metavar="PATH",
-                   help="also write the rollouts (physical units) to this Zarr store in "
-                        "WeatherBench-2's forecast layout")
-    # The evaluation's own layout (serial by default) and precision (default: the training
-    # config's), as the schema declares them.
-    return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_KEYS, "parallel_order",
-                                                   "amp_mode"))
 
 
 # ------------------------------------------------------------------ which model, which config
@@ -150,8 +132,6 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
         if not isinstance(ckpt.get("params"), dict):
             raise ConfigError(f"{path} holds no config: give --config")
         cfg = saved_config(ckpt["params"], where=path)
-    positive("--lead_steps", args.lead_steps)
-    positive("--batch_size", args.batch_size)
     # A train_mp.py run saved its layout: the evaluation chooses its own. The schema checks
     # that the sizes fit the model (e.g. tp divides the heads), as for training.
     own = {key: getattr(args, key) or 1 for key in MODEL_PARALLEL_KEYS}
@@ -159,12 +139,6 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
         if getattr(args, key) is not None:
             own[key] = getattr(args, key)
     return cfg.replace(**own), ckpt
-
-
-def positive(name: str, value: Any) -> int:
-    if value is None or int(value) <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value}")
-    return int(value)
 
 
 # ------------------------------------------------------------------ the model
@@ -203,7 +177,7 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
     example = None
     for start in range(0, len(ics), batch_size):
         batch = ics[start: start + batch_size]
-        _, phase, hour = data.valid_times(batch, lead_steps)
+        hours, phase, hour = data.valid_times(batch, lead_steps)
         with torch.inference_mode():  # no autograd bookkeeping at all
             truth = data.read(batch, lead_steps, tile).to(device)
             with precision.autocast():
@@ -215,7 +189,8 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
                 example = whole_field(torch.stack([truth[0, :, map_channel],
                                                    forecast[0, :, map_channel]]), tile)
             sums += forecast_sums(refs.extend(forecast), refs.extend(truth),
-                                  refs.climatology(phase, hour), refs.time_mean, norm.weights,
+                                  refs.climatology(phase, hour, hours), refs.time_mean,
+                                  norm.weights,
                                   tile)
     return sums, example.cpu().numpy()
 
@@ -255,7 +230,7 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
                     for k, hours in enumerate(skill.lead_hours):
                         writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
                         writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
-    fig = skill_vs_lead(skill, HEADLINE_CHANNELS,
+    fig = skill_vs_lead(skill, HEADLINE,
                         f"{metadata['config']}, iteration {metadata['iteration']}: "
                         f"{skill.n_initial_conditions} initial conditions")
     fig.savefig(os.path.join(out_dir, "skill_vs_lead.png"), dpi=110)
@@ -269,8 +244,8 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
              f"and tensorboard/ to {out_dir}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """Evaluate the model that the flags (`evaluation.inference_flags.parse_flags`) name."""
     # ---- checkpoint, config and initial conditions, before any process group exists: a
     # user error stops every rank alike, with one line
     notes: list[str] = []
@@ -299,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
     norm = Normaliser(cfg, layout.device)
-    refs = References(cfg, norm, channels, layout.tile)
+    refs = References(cfg, norm, channels, layout.tile, store=args.climatology)
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
              f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
              f"grid {norm.grid.describe()}; regions {', '.join(norm.regions)}; "
@@ -311,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                          data.lead_hours(args.lead_steps), norm.grid, channels)
         comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
         save = (args.save_forecasts, ics.index(mine[0]))
+    if args.save_truth and rank == 0:
+        n = write_truth(args.save_truth, data, data.valid_times(ics, args.lead_steps)[0],
+                        norm.grid, channels)
+        log.info(f"Wrote the truth at {n} valid times to {args.save_truth}")
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
@@ -337,10 +316,11 @@ def main(argv: list[str] | None = None) -> None:
                              "longitude": norm.grid.longitude.tolist()},
                     "forecasts": (os.path.abspath(args.save_forecasts)
                                   if args.save_forecasts else None),
+                    "truth": os.path.abspath(args.save_truth) if args.save_truth else None,
                     "initial_conditions": [ic.to_dict() for ic in ics]}
-        report(skill, out_dir, [*HEADLINE_CHANNELS, *args.channels], maps,
+        report(skill, out_dir, [*HEADLINE, *args.channels], maps,
                args.map_channel, metadata)
 
 
 if __name__ == "__main__":
-    run_main(main, sys.argv[1:])  # exit code 0, or 2 with one line for a user error
+    run_main(main, args)  # exit code 0, or 2 with one line for a user error

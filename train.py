@@ -11,19 +11,14 @@ train_mp.py reuses `train()` with a model-parallel layout.
 """
 
 if __name__ == "__main__":
-    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
-    # with one line and exit code 3, not silently (training/signals.py). Then, before torch
-    # loads OpenMP, how its idle threads wait: by what shares the cores (utils/openmp.py).
-    import sys
+    # First of all, before torch is imported (training/startup.py): a stop signal ends the
+    # start-up with one line; the command line's config is read and checked (a bad one: one
+    # `error:` line per job); OpenMP's idle threads get their wait policy.
+    from training.startup import start
 
-    from training.signals import stop_during_startup
-    from utils.openmp import choose_before_torch
-
-    stop_during_startup()
-    choose_before_torch(sys.argv[1:])
+    cfg = start(__doc__)
 
 import logging
-import sys
 import time
 
 from distributed.layout import Layout
@@ -32,7 +27,6 @@ from training.run import build_model, build_training
 from training.script_exit import run_main
 from training.setup import peak_memory_gb, start_run
 from training.step import Step
-from utils.config import load_config
 from utils.config_schema import Config
 
 log = logging.getLogger("train")
@@ -73,10 +67,9 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     startup.at_end()
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(argv, __doc__.splitlines()[0])
+def main(cfg: Config) -> None:
     train(cfg, Layout.data_parallel(cfg))  # one process group over every rank: DDP
 
 
 if __name__ == "__main__":
-    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)
+    run_main(main, cfg)  # exit code 0, 2 (user error) or 3 (preempted)

@@ -21,30 +21,23 @@ The training loop is train.py's `train()`.
 """
 
 if __name__ == "__main__":
-    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
-    # with one line and exit code 3, not silently (training/signals.py). Then, before torch
-    # loads OpenMP, how its idle threads wait: by what shares the cores (utils/openmp.py).
-    import sys
+    # First of all, before torch is imported (training/startup.py): a stop signal ends the
+    # start-up with one line; the command line's config is read and checked (a bad one: one
+    # `error:` line per job); OpenMP's idle threads get their wait policy.
+    from training.startup import start
 
-    from training.signals import stop_during_startup
-    from utils.openmp import choose_before_torch
-
-    stop_during_startup()
-    choose_before_torch(sys.argv[1:], model_parallel=True)
-
-import sys
+    cfg = start(__doc__, model_parallel=True)
 
 import train
 from distributed.layout import Layout
 from training.script_exit import run_main
 from training.step import Step
-from utils.config import load_config
+from utils.config_schema import Config
 
 
-def main(argv: list[str] | None = None, step: Step | None = None) -> None:
-    cfg = load_config(argv, __doc__.splitlines()[0], model_parallel=True)
+def main(cfg: Config, step: Step | None = None) -> None:
     train.train(cfg, Layout.model_parallel(cfg), step)  # tp x cp x h x w x dp groups
 
 
 if __name__ == "__main__":
-    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)
+    run_main(main, cfg)  # exit code 0, 2 (user error) or 3 (preempted)

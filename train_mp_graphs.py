@@ -13,7 +13,10 @@ adds on top of train_mp.py:
     exactly as train_mp.py would);
   - a warm-up of `--graph_warmup` eager steps on a side stream created on this rank's
     device (with DDP, dp > 1, at least 11: PyTorch's CUDA-graph notes ask for that many
-    before capturing a DDP backward; train_mp.py builds DDP on a side stream too);
+    before capturing a DDP backward; train_mp.py builds DDP on a side stream too). It also
+    creates the loss scale and Adam's state: created inside the capture instead, every
+    replay would reset them (the scale to 65536, Adam's moments to 0), so the schema asks
+    for at least 3 steps and `check_ready_for_capture` makes sure they exist;
   - static input/target buffers: each step copies the batch into them, then replays;
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
@@ -28,19 +31,14 @@ Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
 if __name__ == "__main__":
-    # First of all, before the heavy imports: a SIGUSR1/SIGTERM during start-up ends the run
-    # with one line and exit code 3, not silently (training/signals.py). Then, before torch
-    # loads OpenMP, how its idle threads wait: by what shares the cores (utils/openmp.py).
-    import sys
+    # First of all, before torch is imported (training/startup.py): a stop signal ends the
+    # start-up with one line; the command line's config is read and checked (a bad one: one
+    # `error:` line per job); OpenMP's idle threads get their wait policy.
+    from training.startup import start
 
-    from training.signals import stop_during_startup
-    from utils.openmp import choose_before_torch
-
-    stop_during_startup()
-    choose_before_torch(sys.argv[1:], model_parallel=True)
+    cfg = start(__doc__, model_parallel=True, script="train_mp_graphs.py")
 
 import logging
-import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -49,7 +47,7 @@ import train_mp
 from training.run import Training
 from training.script_exit import run_main
 from training.step import Step, forward_backward, optimizer_step
-from utils.errors import ConfigError
+from utils.config_schema import Config
 from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train_mp_graphs")
@@ -67,12 +65,33 @@ def warmup_steps(requested: int, ddp: bool) -> int:
     return requested
 
 
+def check_ready_for_capture(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                            optimizer_in_graph: bool) -> None:
+    """Raise unless everything the graph reuses exists before capture: the loss scale (and
+    its growth tracker) of an enabled scaler, and, when the graph holds the optimizer step,
+    the state of every parameter (Adam's `step`, `exp_avg`, `exp_avg_sq`). A tensor created
+    inside the capture is created again, with its first value, by every replay."""
+    missing = []
+    # GradScaler creates both lazily, at its first scale(); it has no public test for them.
+    if scaler.is_enabled() and (scaler._scale is None or scaler._growth_tracker is None):
+        missing.append("the loss scale")
+    if optimizer_in_graph:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stateless = sum(1 for p in params if not optimizer.state.get(p))
+        if stateless:
+            missing.append(f"the optimizer state of {stateless} of {len(params)} parameters")
+    if missing:
+        raise RuntimeError(f"no CUDA-graph capture yet: warm-up has not created "
+                           f"{' and '.join(missing)}, which every replay would then reset; "
+                           "run eager steps first")
+
+
 class GraphedStep(Step):
     """A `step` for train.train(): `prepare` captures the graph, each call replays it."""
 
     capturable = True
 
-    def __init__(self, warmup_iters: int = 20):
+    def __init__(self, warmup_iters: int):
         self.warmup_iters = warmup_iters
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -105,6 +124,8 @@ class GraphedStep(Step):
                         optimizer_step(run, zero_grad=False)
                     run.optimizer.zero_grad(set_to_none=True)
             torch.cuda.current_stream(device).wait_stream(self.stream)
+            check_ready_for_capture(run.scaler, run.optimizer,
+                                    optimizer_in_graph=not run.scaler.is_enabled())
             log.info(f"Capturing the training step in a CUDA graph after {self.warmup_iters} "
                      "warm-up steps")
             self.graph = torch.cuda.CUDAGraph()
@@ -164,30 +185,15 @@ class EagerStep(Step):
                  "step eagerly (same results, no graph capture)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv, warmup = split_graph_args(argv)
+def main(cfg: Config) -> None:
     if not torch.cuda.is_available():
-        return train_mp.main(argv, step=EagerStep())
-    step = GraphedStep(warmup)
+        return train_mp.main(cfg, step=EagerStep())
+    step = GraphedStep(cfg.graph_warmup)
     try:
-        return train_mp.main(argv, step=step)
+        return train_mp.main(cfg, step=step)
     finally:  # however it ends; run_main shuts the process groups down only after this
         step.release()
 
 
-def split_graph_args(argv: list[str] | None) -> tuple[list[str], int]:
-    """Take --graph_warmup N (default 20) off the command line; the rest is train_mp.py's."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for i, a in enumerate(argv):
-        if a == "--graph_warmup" or a.startswith("--graph_warmup="):
-            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1:] or [""])[0]
-            if not value.isdigit():
-                raise ConfigError(f"--graph_warmup {value!r}: expected the number of eager "
-                                  "warm-up steps before capture, an integer >= 0")
-            del argv[i:i + (1 if "=" in a else 2)]
-            return argv, int(value)
-    return argv, 20
-
-
 if __name__ == "__main__":
-    run_main(main, sys.argv[1:])  # exit code 0, 2 (user error) or 3 (preempted)
+    run_main(main, cfg)  # exit code 0, 2 (user error) or 3 (preempted)

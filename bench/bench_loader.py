@@ -20,7 +20,7 @@ import statistics
 import time
 
 from data.loader import get_loader
-from utils.config import read_config
+from utils.config import DEFAULT_YAML, read_config
 from utils.config_schema import Config
 
 LOADERS = ("pytorch", "pytorch+thread", "dali")
@@ -56,7 +56,7 @@ def time_loader(cfg: Config, batch_size: int, kind: str, workers: int, epochs: i
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--yaml_config", default="config/ViT.yaml")
+    p.add_argument("--yaml_config", default=DEFAULT_YAML)
     p.add_argument("--config", default="cpu_short")
     p.add_argument("--local_batch_size", type=int, default=16)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2],

@@ -10,7 +10,7 @@ holds the whole batch, each rank its tile). Each rank builds the model and run a
 train_mp.py does (`Layout.model_parallel`, `training.run.build_model` and `build_training`:
 `SpatialLayers` when h x w > 1, the layout-independent initial weights), crops one random
 in-memory batch (the same on every rank) to its tile, and times the training step
-(`training.step.Step`, with the layout's loss and gradient sums) on it.
+(`training.step.Step`, with the run's loss and the layout's gradient sums) on it.
 The table shows, per mesh:
 
   params/rank     parameters this rank holds (pos_embed is split; everything else is whole)
@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
     ctx = start_run(cfg, layout)
     model = build_model(cfg, layout)
     run = build_training(cfg, ctx, layout, model)  # its loaders read the layout's tile
-    step = Step()  # the step train_mp.py runs: the layout's loss and gradient sums
+    step = Step()  # the step train_mp.py runs: the run's loss, the layout's gradient sums
     shape = (ctx.local_batch_size, cfg.n_in_channels, *cfg.img_size)
     gen = torch.Generator().manual_seed(1234)  # the same batch on every rank
     inp, tar = (torch.randn(shape, generator=gen) for _ in range(2))
@@ -187,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
     sent = {"alltoall": counter.alltoall, "allreduce": counter.allreduce}  # the last step's
     transform = unwrap(model).blocks[0].filter.transform
     mine = {"params": sum(p.numel() for p in model.parameters()),
-            "activations": activation_bytes(run, inp, tar, layout.loss),
+            "activations": activation_bytes(run, inp, tar, run.loss),
             "peak": peak_memory_gb(layout.device), "rss": rss_gb(),
             "steps": steps[args.warmup:], "comms": comms[args.warmup:], "loss": loss,
             **sent,

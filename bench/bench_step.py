@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     # Inductor's C++ kernels report themselves to the profiler (a flag check each call
     # otherwise), so that the split can name them (bench/time_split.py). Set in the
     # environment: importing torch._inductor.config now would also fix Inductor's cache at
-    # its /tmp default, before the run chooses its own (utils/compile_cache.py).
+    # its /tmp default, before the run chooses its own (training/compiling.py).
     os.environ.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")
     imports_s = budget.elapsed()
     ddp_s = min(90.0, 0.25 * args.budget_s) if args.table and args.ddp_ranks > 1 else 0.0

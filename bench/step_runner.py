@@ -6,7 +6,6 @@ model, the precision it computes in)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -18,19 +17,18 @@ from bench.ceilings import ShapeTrueCeiling, sync
 from bench.floor import ElementwiseFloor
 from bench.time_split import LOADER_RANGE, LOSS_RANGE, Split, profile_split
 from distributed.layout import Layout
-from networks.loss import l2_loss
 from training.run import build_model, build_training
 from training.setup import start_run
 from training.step import Step
 from utils.config_schema import Config
-from utils.model_wrappers import unwrap
+from utils.model_wrappers import uncompiled, unwrap
 
 
 class StepRunner:
     """One setting, built as train.py builds it, plus one random batch in memory.
 
     `layout`: the job's layout (any config's); the setting gets its own, of `cfg` and the
-    same process groups and device (a layout's loss is compiled when `cfg` compiles)."""
+    same process groups and device."""
 
     def __init__(self, label: str, cfg: Config, layout: Layout, step: Step | None = None):
         self.start = time.perf_counter()
@@ -126,10 +124,11 @@ class StepRunner:
         not yet prepared) and its elementwise passes (bench/floor.py, no rates yet),
         recorded from one eager forward and backward at its precision."""
         model = unwrap(self.model)  # torch.compile's graphs hide the calls from the recorder
+        loss_fn = uncompiled(self.run.loss)
 
         def forward_backward() -> None:
             with self.ctx.precision.autocast():
-                loss = l2_loss(model(self.inp), self.tar)
+                loss = loss_fn(model(self.inp), self.tar)
             loss.backward()
 
         params = sum(p.numel() for p in model.parameters())
@@ -148,17 +147,17 @@ class StepRunner:
 
     @contextlib.contextmanager
     def _loss_marked(self) -> Iterator[None]:
-        layout, loss = self.run.layout, self.run.layout.loss
+        loss = self.run.loss
 
         def marked(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             with record_function(LOSS_RANGE):
                 return loss(pred, target)
 
-        self.run.layout = dataclasses.replace(layout, loss=marked)
+        self.run.loss = marked
         try:
             yield
         finally:
-            self.run.layout = layout
+            self.run.loss = loss
 
     def close(self) -> None:
         close = getattr(self.loader, "close", None)

@@ -1,20 +1,26 @@
 """A seasonal and diurnal climatology in a few numbers per grid point.
 
-WeatherBench-2's climatology is a table by day of year x hour of day, smoothed over a 61-day
-window: at 0.25 degrees and 6-hourly, 366 x 4 fields of every variable, ~30 GB for the
-tutorial's 20 channels. The same information, smoothed, fits in a handful of harmonics: per
-channel and grid point, a least-squares fit over the training years of
+WeatherBench-2's climatology is a table by day of year x hour of day: at 0.25 degrees and
+6-hourly, 366 x 4 fields of every variable, ~30 GB for the tutorial's 20 channels. A
+smoothed seasonal cycle fits in a handful of harmonics instead: per channel and grid point,
+a least-squares fit over the training years of
 
     c(p, h) = a0 + sum_{k=1..3} [a_k cos(2 pi k p) + b_k sin(2 pi k p)]         seasonal
                  + d1c cos(2 pi h/24) + d1s sin(2 pi h/24) + d2c cos(4 pi h/24)  diurnal
                  + (d1c, d1s) x (cos, sin)(2 pi p)                               its season
 
 where p is the fraction of the year (sample i of a year of n samples: i / n) and h the hour
-of day (UTC). Three annual harmonics keep what a 61-day window keeps (its response falls to
-~0 at 6 cycles a year); the three diurnal terms represent the four 6-hourly times exactly;
-the four products let the daily cycle grow and shrink with the seasons. 14 numbers per
-channel and grid point, 14 x time_means.npy: 1.2 GB at 720 x 1440 (0.25 degrees), 290 MB
-at 360 x 720, 2.3 MB at 64 x 128.
+of day (UTC). The three diurnal terms represent the four 6-hourly times exactly; the four
+products let the daily cycle grow and shrink with the seasons. 14 numbers per channel and
+grid point, 14 x time_means.npy.
+
+It is not WeatherBench-2's climatology, in two ways (docs/scoring.md has the numbers):
+the smoothing, three annual harmonics kept whole and every faster cycle dropped, where
+WeatherBench-2 smooths day of year with triangular window weights (faster cycles damped,
+not removed; the slow ones damped a little); and the base period, the training years,
+where WeatherBench-2 averages 1990-2019. ACC and the climatology baseline measured against
+it differ from WeatherBench-2's by both; `inference.py --climatology` measures them against
+WeatherBench-2's store instead (evaluation/wb2_climatology.py).
 
 Stored as stats/climatology.npz: `coefficients` (14, C, H, W) float32 in physical units,
 `time_mean` (C, H, W), `channels` (the 20 channels plus derived ones such as ws10, 10 m

@@ -138,12 +138,6 @@ class DALILoader:
     def __len__(self) -> int:
         return max(self.batches_per_epoch - self.sampler.skip // self.batch_size, 0)
 
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the running DALI source workers (none when num_workers is 0)."""
-        pool = getattr(self._pipe, "_py_pool", None)
-        return list(pool.pids()) if pool is not None else []
-
     def _requested(self) -> tuple[int, int]:
         # Without shuffling every epoch has the same order: any epoch number will do.
         epoch = self.sampler.epoch if self.shuffle else self._at[0]

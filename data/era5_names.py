@@ -3,8 +3,12 @@
 One table, in the data contract's channel order: the tutorial's short name, the variable
 name of the WeatherBench-2 / ARCO-ERA5 Zarr stores (which WeatherBench-2 also uses for
 forecasts and scores), the short name of the Copernicus CDS NetCDF files, the pressure
-level in hPa (None: a single-level field) and the physical units (CF style, as the public
-stores write them). Geopotential stays geopotential (m2/s2), not geopotential height.
+level in hPa (None: a single-level field) and the physical units of the prepared files
+(CF style, as the public stores write them). Geopotential stays geopotential (m2/s2), not
+geopotential height. Relative humidity is in percent in the prepared files whatever the
+source (the CDS `r` is percent, WeatherBench-2's `relative_humidity` a fraction:
+`humidity_scale`); forecasts and truth written for WeatherBench-2 are in its convention
+(`wb2_units`).
 
 Besides the 20 stored channels, the evaluation scores one derived variable that
 WeatherBench-2 reports among its headline scores: 10 m wind speed, sqrt(u10^2 + v10^2).
@@ -13,6 +17,8 @@ WeatherBench-2 reports among its headline scores: 10 m wind speed, sqrt(u10^2 + 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from utils.errors import DataError
 
 
 class Channel(NamedTuple):
@@ -64,6 +70,13 @@ def channel(name: str) -> Channel | None:
     return _BY_NAME.get(name)
 
 
+def units_of(name: str) -> str:
+    """The units of a channel (or derived variable) in the prepared files; '' for a channel
+    outside the table."""
+    c = channel(name)
+    return "" if c is None else c.units
+
+
 def wb2_label(name: str) -> str:
     """How WeatherBench-2 names a channel in its results: 'geopotential 500 hPa',
     '2m_temperature'; the name itself for a channel outside the table."""
@@ -71,3 +84,34 @@ def wb2_label(name: str) -> str:
     if c is None:
         return name
     return c.variable if c.level is None else f"{c.variable} {c.level} hPa"
+
+
+# WeatherBench-2's units where they differ from the prepared files': variable -> (units,
+# factor from the prepared files' values). Its relative humidity is a fraction.
+_WB2_UNITS = {"relative_humidity": ("1", 0.01)}
+_PERCENT = ("%", "percent", "pct")
+_FRACTION = ("1", "0-1", "(0 - 1)", "fraction", "dimensionless")
+
+
+def wb2_units(variable: str) -> tuple[str, float]:
+    """(units, factor) of a variable in WeatherBench-2's convention: its values there are
+    the prepared files' times the factor."""
+    if variable in _WB2_UNITS:
+        return _WB2_UNITS[variable]
+    units = next((c.units for c in (*CHANNELS, *DERIVED) if c.variable == variable), "")
+    return units, 1.0
+
+
+def humidity_scale(name: str, units: str | None, where: str) -> float:
+    """The factor that turns a source's relative humidity `name` into percent: from its
+    `units` attribute, else by the source's convention (WeatherBench-2's long name: a
+    fraction; the CDS `r`: percent)."""
+    text = (units or "").strip().lower()
+    if text in _PERCENT:
+        return 1.0
+    if text in _FRACTION:
+        return 100.0
+    if not text:
+        return 1.0 if name == "r" else 100.0
+    raise DataError(f"{where}: '{name}' has units '{units}'; relative humidity must be in "
+                    f"percent ({' or '.join(_PERCENT[:2])}) or a fraction (1)")

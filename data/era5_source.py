@@ -1,102 +1,111 @@
 """ERA5 as the public copies hold it, opened lazily: the 20 channels of any 6-hourly time.
 
-Two kinds of source (docs/real_era5.md says where to get them):
+Two kinds of source (docs/real_era5.md says where to get them; data/source_files.py opens
+them):
 
   - a Zarr store in the WeatherBench-2 / ARCO-ERA5 layout: long variable names
     (`10m_u_component_of_wind`, `geopotential` with a `level` coordinate in hPa, ...),
     `time` hourly (ARCO) or 6-hourly (WeatherBench-2), `latitude` from north to south or
-    (some WeatherBench-2 grids) ascending, `longitude` from 0 degrees east. A local path or
-    a URL (gs://... needs the gcsfs package);
+    (some WeatherBench-2 grids) ascending, dimensions in any order. A local path or a URL;
   - Copernicus CDS NetCDF files, a directory of them (or one file): short names (`u10`,
     `z`, ...), levels as `pressure_level` (older files: `level`), time as `valid_time`
-    (older: `time`); single-level and pressure-level variables in separate files, years or
-    months in separate files: they are joined along time.
+    (older: `time`), split by variable, by pressure level or by month in any mix: each
+    channel is found in whichever files hold its variable at its level, and joined in time.
 
-xarray opens both (the netCDF4 engine reads the NetCDF-4 files the CDS serves now and the
-NetCDF-3 files it served before; zarr the stores), with dask arrays: nothing is read until
-`read` asks for a batch of times, and then only those times of the 20 channels.
+Relative humidity comes out in percent whatever the source: WeatherBench-2's is a fraction
+(x 100), the CDS `r` is percent, and a store without it but with specific humidity
+(ARCO-ERA5) gets it derived with the IFS formula (data/humidity.py). `channel_sources`
+says, per channel, what it was made from.
 
 Every channel is checked when the source is opened (a missing variable or level is a
-one-line DataError naming it), every variable must be on the same grid (else "mixes
-grids"), and `year_times` checks that every 6-hourly time of a requested year is there.
-Fields come out with rows from north to south and columns from 0 degrees east, as float32
-in the source's units (geopotential in m2/s2).
+one-line DataError naming it; so are a coordinate with a missing value and variables on
+different grids), `select_year` checks that every 6-hourly time of a year is there, and
+`read` refuses a NaN or infinity with a line naming the variable, level and time. A batch
+reads each variable's chunks once for all its levels, and the variables in parallel threads
+(`read_threads`: sized for a store's latency, not for the cores). Fields come out with rows
+from north to south and columns from 0 degrees east, as float32 in the channels' units
+(data/era5_names.py).
 """
 
 from __future__ import annotations
 
-import glob
-import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from data.era5_names import CHANNELS, Channel
+from data.era5_names import CHANNELS, Channel, humidity_scale
 from data.grid import Grid
+from data.humidity import relative_humidity
+from data.source_files import EPOCH, HOUR, Opened, coordinate, open_source
 from utils.errors import DataError
 
-_RENAME = {"valid_time": "time", "pressure_level": "level", "lat": "latitude",
-           "lon": "longitude", "isobaricInhPa": "level"}
-HOUR = np.timedelta64(1, "h")
+READ_THREADS = 16  # requests in flight: a remote store's latency hides behind the others
+HUMIDITY = "relative_humidity"
+DERIVE_FROM = (("specific_humidity", "q"), ("temperature", "t"))
 
 
-def _is_zarr(path: str) -> bool:
-    if "://" in path:
-        return True
-    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
-                                       for m in (".zgroup", ".zmetadata", "zarr.json"))
+@dataclass(eq=False)
+class Piece:
+    """One dataset's array of a variable: (time, [level,] latitude, longitude), lazy."""
+
+    array: Any          # xarray.DataArray, its dimensions in the source's order
+    levels: np.ndarray | None
+    opened: Opened      # the dataset: where, its times (hours since 1970-01-01), span
+
+    @property
+    def where(self) -> str:
+        return self.opened.where
+
+    def read(self, index: dict[str, Any]) -> np.ndarray:
+        """The selection `index` as (time, [level,] latitude, longitude): read in the
+        store's order (WeatherBench-2's coarse grids put longitude first), then transposed
+        in memory, which costs less than a transposed lazy read."""
+        block = np.asarray(self.array.isel(index).values)
+        order = ("time", "level", "latitude", "longitude") if self.levels is not None else (
+            "time", "latitude", "longitude")
+        return block.transpose([self.array.dims.index(d) for d in order])
 
 
-def _open_datasets(path: str) -> list[tuple[str, Any]]:
-    """[(where, xarray.Dataset)]: the store, or every NetCDF file of the directory."""
-    import xarray as xr
+@dataclass(eq=False)
+class Field:
+    """One variable at one level (or a single-level variable), over the pieces holding it;
+    after `locate`, for each selected time its piece and index there."""
 
-    try:
-        if _is_zarr(path):
-            # The public buckets are read anonymously (gs:// needs the gcsfs package).
-            options = {"token": "anon"} if path.startswith("gs://") else None
-            return [(path, xr.open_zarr(path, chunks={}, storage_options=options))]
-        if os.path.isfile(path):
-            files = [path]
-        elif os.path.isdir(path):
-            files = sorted(f for ext in ("nc", "nc4", "netcdf")
-                           for f in glob.glob(os.path.join(path, f"*.{ext}")))
-            if not files:
-                raise DataError(f"{path}: no Zarr store and no NetCDF files (*.nc) in it")
-        else:
-            raise DataError(f"source {path} does not exist")
-        return [(f, xr.open_dataset(f, chunks={})) for f in files]
-    except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"cannot open {path} as a Zarr store or NetCDF files "
-                        f"({str(e).splitlines()[0]})") from None
+    variable: str
+    level: float | None
+    pieces: list[tuple[Piece, int | None]]  # (piece, level index in it)
+    channels: list[str] = field(default_factory=list)  # the channels made from it
+    which: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
-
-def _normalised(ds: Any) -> Any:
-    """The dataset with the public stores' names for time, level, latitude and longitude,
-    and singleton dimensions (ensemble member `number`, `expver`) dropped."""
-    ds = ds.rename({k: v for k, v in _RENAME.items() if k in ds.variables})
-    for name in ("number", "expver"):
-        if name in ds.dims and ds.sizes[name] == 1:
-            ds = ds.isel({name: 0})
-    return ds
+    def label(self, channels: bool = True) -> str:
+        """'temperature at 850 hPa (t850, r850)'; without the channels for `channels=False`."""
+        text = self.variable + (f" at {self.level:g} hPa" if self.level is not None else "")
+        return text + (f" ({', '.join(self.channels)})" if channels and self.channels else "")
 
 
 class Source:
-    """The 20 channels of an ERA5 source (module docstring), each a lazy (time, latitude,
-    longitude) array on one grid."""
+    """The 20 channels of an ERA5 source (module docstring), for times in [first, end)."""
 
-    def __init__(self, path: str):
-        self.path = path
-        pieces: dict[str, list[tuple[str, Any]]] = {}
-        for where, ds in _open_datasets(path):
-            ds = _normalised(ds)
-            for name in ds.data_vars:
-                pieces.setdefault(str(name), []).append((where, ds[name]))
+    def __init__(self, path: str, first: np.datetime64, end: np.datetime64,
+                 read_threads: int = READ_THREADS):
+        self.path, self.read_threads = path, read_threads
+        self._pieces: dict[str, list[Opened]] = defaultdict(list)
         self._grid_of: tuple[str, np.ndarray, np.ndarray] | None = None
-        self.arrays = {c.name: self._channel(c, pieces) for c in CHANNELS}
-        where, lat, lon = self._grid_of
+        opened = open_source(path, np.datetime64(first, "h"), np.datetime64(end, "h"))
+        self._names = sorted({str(n) for o in opened for n in o.dataset.data_vars})
+        for o in opened:
+            for name in o.dataset.data_vars:
+                self._pieces[str(name)].append(o)
+        self._fields: dict[tuple[str, float | None], Field] = {}
+        self.recipes = [self._recipe(c) for c in CHANNELS]
+        for r in self.recipes:
+            for f in r.inputs:
+                f.channels.append(r.channel.name)
+        where, lat, lon = self._grid_of  # type: ignore[misc]
         self._flip = len(lat) > 1 and lat[0] < lat[-1]
         lon = np.mod(lon, 360.0)
         self._columns = np.argsort(lon, kind="stable")
@@ -105,94 +114,240 @@ class Source:
         if not (np.diff(self.grid.latitude) < 0).all() or not (
                 np.diff(self.grid.longitude) > 0).all():
             raise DataError(f"{where}: latitude and longitude must be monotonic")
-        self._index: dict[str, np.ndarray] = {}
+        self.channel_sources = [r.describe() for r in self.recipes]
+        self._times = np.zeros(0, dtype="datetime64[h]")
+        self._pool: ThreadPoolExecutor | None = None  # started by the first read
 
     # ------------------------------------------------------------------ opening
-    def _channel(self, c: Channel, pieces: dict[str, list[tuple[str, Any]]]) -> Any:
-        """One channel as a (time, latitude, longitude) DataArray joined over files."""
-        import xarray as xr
+    def _field(self, names: tuple[str, str], level: int | None) -> Field | None:
+        """The source's field of a variable (long or short name) at `level`, or None."""
+        for name in names:
+            if name not in self._pieces:
+                continue
+            key = (name, None if level is None else float(level))
+            if key not in self._fields:
+                pieces = [p for o in self._pieces[name]
+                          if (p := self._piece(o, name, level)) is not None]
+                if not pieces:
+                    return None
+                self._fields[key] = Field(name, key[1], pieces)
+            return self._fields[key]
+        return None
 
-        found = pieces.get(c.variable) or pieces.get(c.short)
+    def _piece(self, o: Opened, name: str, level: int | None) -> tuple[Piece, int | None] | None:
+        da = o.dataset[name]
+        plane = {"time", "latitude", "longitude"}
+        expected = plane | ({"level"} if level is not None else set())
+        if set(da.dims) != expected:
+            if level is not None and set(da.dims) == plane:
+                raise DataError(f"{o.where}: '{name}' has no level coordinate")
+            raise DataError(f"{o.where}: '{name}' has dimensions {tuple(da.dims)}, expected "
+                            "time, latitude, longitude" + (" and level" if level else ""))
+        self._same_grid(o)
+        if level is None:
+            return Piece(da, None, o), None
+        levels = coordinate(o.dataset, "level", o.where)
+        hit = np.flatnonzero(np.isclose(levels, level))
+        if not len(hit):
+            return None
+        return Piece(da, levels, o), int(hit[0])
+
+    def _levels_of(self, names: tuple[str, str]) -> str:
+        levels = sorted({float(v) for n in names for o in self._pieces.get(n, [])
+                         if "level" in o.dataset.coords
+                         for v in coordinate(o.dataset, "level", o.where)})
+        return ", ".join(f"{v:g}" for v in levels)
+
+    def _recipe(self, c: Channel) -> Recipe:
         what = c.variable + (f" at {c.level} hPa" if c.level is not None else "")
-        if not found:
-            names = ", ".join(sorted(pieces)) or "none"
-            raise DataError(f"{self.path} lacks channel {c.name} ({what}): no variable "
-                            f"'{c.variable}' or '{c.short}' (variables: {names})")
-        arrays = []
-        for where, da in found:
-            if c.level is not None:
-                if "level" not in da.coords:
-                    raise DataError(f"{where} lacks channel {c.name} ({what}): "
-                                    f"'{da.name}' has no level coordinate")
-                levels = np.asarray(da["level"].values).reshape(-1)
-                if not np.isclose(levels, c.level).any():
-                    raise DataError(f"{where} lacks channel {c.name} ({what}): "
-                                    f"'{da.name}' has levels "
-                                    f"{', '.join(f'{v:g}' for v in levels)}")
-                da = da.sel(level=levels[np.isclose(levels, c.level)][0])
-                da = da.drop_vars("level")
-            dims = set(da.dims)
-            if dims != {"time", "latitude", "longitude"}:
-                raise DataError(f"{where}: '{da.name}' has dimensions {tuple(da.dims)}, "
-                                "expected time, latitude, longitude (and level)")
-            self._same_grid(where, da)
-            arrays.append(da.transpose("time", "latitude", "longitude"))
-        joined = arrays[0] if len(arrays) == 1 else xr.concat(arrays, dim="time")
-        return joined.sortby("time").drop_duplicates("time")
+        found = self._field((c.variable, c.short), c.level)
+        if found is not None:
+            scale = 1.0
+            if c.variable == HUMIDITY:
+                piece = found.pieces[0][0]
+                scale = humidity_scale(found.variable, piece.array.attrs.get("units"),
+                                       piece.where)
+            return Recipe(c, (found,), scale)
+        if c.variable == HUMIDITY:
+            inputs = [self._field(names, c.level) for names in DERIVE_FROM]
+            if all(f is not None for f in inputs):
+                return Recipe(c, tuple(inputs), 1.0, derived=True)  # type: ignore[arg-type]
+        names = (c.variable, c.short)
+        if any(n in self._pieces for n in names):
+            name = next(n for n in names if n in self._pieces)
+            raise DataError(f"{self.path} lacks channel {c.name} ({what}): '{name}' has "
+                            f"levels {self._levels_of(names) or 'none'}")
+        also = (", nor 'specific_humidity' or 'q' and 'temperature' or 't' at that level "
+                "to derive it from" if c.variable == HUMIDITY else "")
+        raise DataError(f"{self.path} lacks channel {c.name} ({what}): no variable "
+                        f"'{c.variable}' or '{c.short}'{also} (variables: "
+                        f"{', '.join(self._names) or 'none'})")
 
-    def _same_grid(self, where: str, da: Any) -> None:
-        lat = np.asarray(da["latitude"].values, dtype=np.float64)
-        lon = np.asarray(da["longitude"].values, dtype=np.float64)
+    def _same_grid(self, o: Opened) -> None:
+        lat = coordinate(o.dataset, "latitude", o.where)
+        lon = coordinate(o.dataset, "longitude", o.where)
         if self._grid_of is None:
-            self._grid_of = (where, lat, lon)
+            self._grid_of = (o.where, lat, lon)
             return
         first, lat0, lon0 = self._grid_of
         if lat.shape != lat0.shape or lon.shape != lon0.shape or not (
                 np.allclose(lat, lat0) and np.allclose(lon, lon0)):
-            raise DataError(f"{self.path} mixes grids: {where} is {len(lat)} x {len(lon)} "
+            raise DataError(f"{self.path} mixes grids: {o.where} is {len(lat)} x {len(lon)} "
                             f"(latitude {lat[0]:g} .. {lat[-1]:g}), {first} is {len(lat0)} x "
                             f"{len(lon0)} (latitude {lat0[0]:g} .. {lat0[-1]:g})")
+
+    @property
+    def fields(self) -> list[Field]:
+        return list(dict.fromkeys(f for r in self.recipes for f in r.inputs))
 
     # ------------------------------------------------------------------ times
     def select_year(self, year: int, limit: int | None = None) -> np.ndarray:
         """Choose the year `read` reads: its 6-hourly times from 00 UTC on 1 January (the
-        first `limit`), each checked to be in every channel (datetime64[h]); a DataError
+        first `limit`), each checked to be in every field (datetime64[h]); a DataError
         names the first missing one."""
         times = year_times(year)[:limit]
-        for name, da in self.arrays.items():
-            have = da.indexes["time"]
-            index = have.get_indexer(times.astype("datetime64[ns]"))
-            missing = times[index < 0]
-            if len(missing) == len(times):
-                span = f"{have[0]:%Y-%m-%d} to {have[-1]:%Y-%m-%d}" if len(have) else "nothing"
-                raise DataError(f"{self.path} has no {name} in {year} (it covers {span})")
-            inside = missing[(missing > have[0]) & (missing < have[-1])]
-            if len(inside):
-                more = f" (and {len(inside) - 1} more)" if len(inside) > 1 else ""
-                raise DataError(f"{self.path} has a gap in time in {year}: no {name} at "
-                                f"{inside[0]}{more}")
-            if len(missing):
-                raise DataError(f"{self.path} has {name} from {have[0]:%Y-%m-%dT%H} to "
-                                f"{have[-1]:%Y-%m-%dT%H}: {len(missing)} of the "
-                                f"{len(times)} 6-hourly times of {year} are outside it "
-                                "(--max_samples N prepares only the first N of a year)")
-            self._index[name] = index
+        wanted = ((times - EPOCH) / HOUR).astype(np.int64)
+        for f in self.fields:
+            _locate(f, wanted, times, year, self.path)
+        self._times = times
         return times
 
+    # ------------------------------------------------------------------ reading
     def read(self, start: int, stop: int) -> np.ndarray:
         """(stop - start, 20, H, W) float32: samples start .. stop - 1 of the selected year,
-        rows from north to south, columns from 0 degrees east. One dask computation reads
-        the 20 channels' pieces in parallel threads."""
-        import dask
-
-        lazy = [da.data[self._index[name][start:stop]]
-                for name, da in self.arrays.items()]
-        fields = np.stack(dask.compute(*lazy), axis=1).astype(np.float32, copy=False)
+        rows from north to south, columns from 0 degrees east. A NaN or infinity in what was
+        read is a DataError naming the variable, level and time."""
+        values = self._read_fields(start, stop)
+        for f, x in values.items():
+            _check_finite(f, x, self._times[start:stop], f.which[start:stop])
+        fields = np.stack([r.make(values) for r in self.recipes], axis=1)
         if self._flip:
             fields = fields[:, :, ::-1]
         if self._reorder:  # longitudes from -180: columns from 0 degrees east
             fields = fields[..., self._columns]
-        return np.ascontiguousarray(fields)
+        return np.ascontiguousarray(fields, dtype=np.float32)
+
+    def _read_fields(self, start: int, stop: int) -> dict[Field, np.ndarray]:
+        """Every field's (B, H, W) at the batch's times: one request per piece, variable
+        and run of times, covering all the levels asked of it (a chunk holds every level)."""
+        requests: dict[tuple[int, bytes], tuple[Piece, Any, list, list]] = {}
+        for f in self.fields:
+            which, index = f.which[start:stop], f.index[start:stop]
+            for p in np.unique(which):
+                rows = np.flatnonzero(which == p)
+                piece, level = f.pieces[p]
+                key = (id(piece), index[rows].tobytes())
+                if key not in requests:
+                    requests[key] = (piece, _selection(index[rows]), [], [])
+                requests[key][2].append(level)
+                requests[key][3].append((f, rows))
+        shape = (stop - start, len(self._grid_of[1]), len(self._grid_of[2]))  # type: ignore[index]
+        out = {f: np.empty(shape, dtype=np.float32) for f in self.fields}
+
+        def fetch(request: tuple[Piece, Any, list, list]) -> None:
+            piece, times, levels, users = request
+            index: dict[str, Any] = {"time": times}
+            if piece.levels is not None:
+                index["level"] = sorted(set(levels))
+            block = piece.read(index)
+            for level, (f, rows) in zip(levels, users, strict=True):
+                out[f][rows] = block if level is None else \
+                    block[:, index["level"].index(level)]
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="read")
+        list(self._pool.map(fetch, requests.values()))
+        return out
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one channel is made from the source's fields."""
+
+    channel: Channel
+    inputs: tuple[Field, ...]
+    scale: float
+    derived: bool = False
+
+    def make(self, values: dict[Field, np.ndarray]) -> np.ndarray:
+        if self.derived:  # relative humidity in percent from q, T and the level's pressure
+            q, t = (values[f] for f in self.inputs)
+            return (100.0 * relative_humidity(q, t, 100.0 * self.channel.level)
+                    ).astype(np.float32)
+        x = values[self.inputs[0]]
+        return x if self.scale == 1.0 else x * np.float32(self.scale)
+
+    def describe(self) -> str:
+        """'temperature at 850 hPa', 'relative_humidity at 500 hPa x 100', 'derived:
+        relative humidity from specific_humidity at 500 hPa, temperature at 500 hPa (IFS,
+        mixed phase)'."""
+        if self.derived:
+            return ("derived: relative humidity from "
+                    + ", ".join(f.label(channels=False) for f in self.inputs)
+                    + " (IFS formula, mixed phase; data/humidity.py)")
+        return self.inputs[0].label(channels=False) + (
+            f" x {self.scale:g}" if self.scale != 1.0 else "")
+
+
+def _selection(index: np.ndarray) -> Any:
+    """A slice for evenly spaced increasing indices (a strided read), else the indices."""
+    if len(index) == 1:
+        return slice(int(index[0]), int(index[0]) + 1)
+    steps = np.diff(index)
+    if (steps == steps[0]).all() and steps[0] > 0:
+        return slice(int(index[0]), int(index[-1]) + 1, int(steps[0]))
+    return index
+
+
+def _locate(f: Field, wanted: np.ndarray, times: np.ndarray, year: int, path: str) -> None:
+    """Find each wanted time (hours) in the field's pieces (the first piece holding a time
+    wins); a DataError names the first time that is missing."""
+    hours = np.concatenate([p.opened.hours for p, _ in f.pieces])
+    owner = np.concatenate([np.full(len(p.opened.hours), k)
+                            for k, (p, _) in enumerate(f.pieces)])
+    local = np.concatenate([np.arange(len(p.opened.hours)) for p, _ in f.pieces])
+    order = np.argsort(hours, kind="stable")  # the pieces' own times: a few years at most
+    hours, owner, local = hours[order], owner[order], local[order]
+    pos = np.minimum(np.searchsorted(hours, wanted), max(len(hours) - 1, 0))
+    found = (hours[pos] == wanted) if len(hours) else np.zeros(len(wanted), bool)
+    missing = times[~found]
+    name = f.label()
+    if len(missing) == len(times):
+        first = min(p.opened.span[0] for p, _ in f.pieces)
+        last = max(p.opened.span[1] for p, _ in f.pieces)
+        covers = f"{_when(first)[:10]} to {_when(last)[:10]}" if last >= first else "nothing"
+        raise DataError(f"{path} has no {name} in {year} (it covers {covers})")
+    if len(missing):
+        have = times[found]
+        inside = missing[(missing > have[0]) & (missing < have[-1])]
+        if len(inside):
+            more = f" (and {len(inside) - 1} more)" if len(inside) > 1 else ""
+            raise DataError(f"{path} has a gap in time in {year}: no {name} at "
+                            f"{inside[0]}{more}")
+        limit = next((p.opened.limit for p, _ in f.pieces if p.opened.limit), "")
+        raise DataError(f"{path} has {name} from {have[0]} to {have[-1]}"
+                        + (f" ({limit})" if limit else "")
+                        + f": {len(missing)} of the {len(times)} 6-hourly times of {year} "
+                        "are outside it (--max_samples N prepares only the first N of a year)")
+    f.which, f.index = owner[pos], local[pos]
+
+
+def _when(hours: int) -> str:
+    return str(EPOCH + int(hours) * HOUR)
+
+
+def _check_finite(f: Field, x: np.ndarray, times: np.ndarray, which: np.ndarray) -> None:
+    """A DataError naming the variable, level and first time of a NaN or infinity in `x`
+    (B, H, W), read at `times` from the pieces `which`."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        rows = np.flatnonzero(bad.reshape(len(x), -1).any(axis=1))
+        what = "NaN" if np.isnan(x[rows[0]]).any() else "infinite"
+        more = f" (and at {len(rows) - 1} more of the batch's times)" if len(rows) > 1 else ""
+        where = f.pieces[which[rows[0]]][0].where
+        raise DataError(f"{where}: {f.label()} has {int(bad[rows[0]].sum())} "
+                        f"{what} value(s) at {times[rows[0]]}{more}; nothing of "
+                        f"{str(times[0])[:4]} was written")
 
 
 def year_times(year: int) -> np.ndarray:

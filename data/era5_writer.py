@@ -8,10 +8,14 @@
 
 A year is written to `<year>.h5.partial`, its attribute `complete` set last, and renamed to
 `<year>.h5` only then (a training year's sums are saved before the rename): a file with
-the final name is always whole. On a second run a year is skipped when its file is whole,
-was made from the same source with the same options (the attribute holds them), has the
-expected number of samples, and (training years) its sums are there; anything else is
-written again.
+the final name is always whole. A batch is checked (data/era5_source.py: no NaN or
+infinity) before it is written; a year that fails leaves no file behind. The attributes of
+`fields` record every channel's name, units and what it was made from (`channel_names`,
+`channel_units`, `channel_sources`) and the source.
+
+On a second run a year is skipped when its file is whole, was made from the same source
+with the same options (the attribute holds them), has the expected number of samples, and
+(training years) its sums are there; anything else is written again.
 
 Per batch of B samples the source's fields (B x 20 x H0 x W0 float32, H0 x W0 the source
 grid), their crop and block means are in memory at once; a year is never held whole.
@@ -30,8 +34,8 @@ import h5py
 import numpy as np
 
 from data.climatology import sample_times
-from data.era5_names import CHANNEL_NAMES
-from data.era5_source import Source, year_times
+from data.era5_names import CHANNEL_NAMES, CHANNELS
+from data.era5_source import READ_THREADS, Source, year_times
 from data.grid import Grid, write_file_grid
 from data.statistics import PartialSums
 from utils.errors import DataError
@@ -49,10 +53,13 @@ class Plan:
     coarsen: int = 1
     max_samples: int | None = None
     batch_size: int = 8
+    years: tuple[int, int] = (1900, 2200)  # the first and last year of the preparation
+    read_threads: int = READ_THREADS
 
     def options(self) -> str:
         """The source and the options that decide a file's content, as one string."""
-        kept = {k: v for k, v in asdict(self).items() if k not in ("out", "batch_size")}
+        kept = {k: v for k, v in asdict(self).items()
+                if k not in ("out", "batch_size", "years", "read_threads")}
         return json.dumps(kept, sort_keys=True)
 
     def samples(self, year: int) -> int:
@@ -99,10 +106,19 @@ def is_complete(plan: Plan, split: str, year: int) -> bool:
     return ok
 
 
-def open_source(path: str) -> Source:
-    if path not in _sources:
-        _sources[path] = Source(path)
-    return _sources[path]
+def open_source(plan: Plan) -> Source:
+    """The plan's source, opened once per process for all the plan's years (until
+    `forget_sources`: a new preparation in the same process opens it again)."""
+    if plan.source not in _sources:
+        first, last = plan.years
+        _sources[plan.source] = Source(plan.source, np.datetime64(f"{first}-01-01T00", "h"),
+                                       np.datetime64(f"{last + 1}-01-01T00", "h"),
+                                       plan.read_threads)
+    return _sources[plan.source]
+
+
+def forget_sources() -> None:
+    _sources.clear()
 
 
 def output_grid(plan: Plan, grid: Grid) -> Grid:
@@ -139,7 +155,7 @@ def prepare_year(plan: Plan, split: str, year: int,
     final = year_file(plan.out, split, year)
     if is_complete(plan, split, year):
         return YearResult(split, year, plan.samples(year), final.stat().st_size, 0.0, True)
-    source = open_source(plan.source)
+    source = open_source(plan)
     grid = output_grid(plan, source.grid)
     times = source.select_year(year, plan.max_samples)
     n, (H, W) = len(times), grid.shape
@@ -148,31 +164,45 @@ def prepare_year(plan: Plan, split: str, year: int,
     sums = PartialSums.empty() if split == "train" else None
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(final.name + ".partial")
-    with h5py.File(tmp, "w") as f:
-        fields = f.create_dataset("fields", (n, len(CHANNEL_NAMES), H, W), dtype="f4",
-                                  chunks=(1, len(CHANNEL_NAMES), H, W), track_times=False)
-        fields.attrs.update({
-            "channel_names": list(CHANNEL_NAMES), "dt_hours": 6, "year": year,
-            "split": split, "samples_per_year": len(year_times(year)),
-            "source": plan.source, "crop_rows": plan.crop_rows or 0, "coarsen": plan.coarsen,
-            "description": "ERA5, data/prepare_era5.py; row 0 = north"})
-        write_file_grid(f, grid)
-        f.create_dataset("time", data=hours, track_times=False).attrs["units"] = \
-            "hours since 1970-01-01 00:00:00"
-        for i in range(0, n, plan.batch_size):
-            j = min(i + plan.batch_size, n)
-            x = transform(plan, source.read(i, j))
-            fields[i:j] = x
-            if sums is not None:
-                sums.add(x, phase[i:j], hour[i:j])
-            report(j - i)
-        fields.attrs["complete"] = plan.options()  # last: the file is whole
+    try:
+        with h5py.File(tmp, "w") as f:
+            fields = _create_fields(f, plan, source, split, year, (n, H, W))
+            write_file_grid(f, grid)
+            f.create_dataset("time", data=hours, track_times=False).attrs["units"] = \
+                "hours since 1970-01-01 00:00:00"
+            for i in range(0, n, plan.batch_size):
+                j = min(i + plan.batch_size, n)
+                x = transform(plan, source.read(i, j))  # checked: no NaN, no infinity
+                fields[i:j] = x
+                if sums is not None:
+                    sums.add(x, phase[i:j], hour[i:j])
+                report(j - i)
+            fields.attrs["complete"] = plan.options()  # last: the file is whole
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing of a year that failed is left
+        raise
     if sums is not None:
         sums_file(plan.out, year).parent.mkdir(parents=True, exist_ok=True)
         sums.save(sums_file(plan.out, year))
     os.replace(tmp, final)
     return YearResult(split, year, n, final.stat().st_size, time.perf_counter() - start,
                       False)
+
+
+def _create_fields(f: h5py.File, plan: Plan, source: Source, split: str, year: int,
+                   shape: tuple[int, int, int]) -> h5py.Dataset:
+    """The `fields` dataset (one sample per chunk) and its attributes."""
+    n, H, W = shape
+    C = len(CHANNEL_NAMES)
+    fields = f.create_dataset("fields", (n, C, H, W), dtype="f4", chunks=(1, C, H, W),
+                              track_times=False)
+    fields.attrs.update({
+        "channel_names": list(CHANNEL_NAMES), "channel_units": [c.units for c in CHANNELS],
+        "channel_sources": source.channel_sources, "dt_hours": 6, "year": year,
+        "split": split, "samples_per_year": len(year_times(year)), "source": plan.source,
+        "crop_rows": plan.crop_rows or 0, "coarsen": plan.coarsen,
+        "description": "ERA5, data/prepare_era5.py; row 0 = north"})
+    return fields
 
 
 def file_grid(path: str | os.PathLike) -> Grid:

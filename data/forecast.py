@@ -1,10 +1,12 @@
 """Initial conditions and verifying truth for rollouts, read from the test split.
 
-A rollout of L steps from sample i of a year file needs samples i, i + dt, ..., i + L*dt of
-that file: one HDF5 hyperslab read per initial condition, cropped to `img_size` and
-normalised with the global means and stds exactly like the training loader
-(data.dataset.ERA5Dataset, which also checks the files, their grid and the statistics
-here).
+A rollout of L steps from sample i of a year file needs samples i, i + dt, ..., i + L*dt:
+one HDF5 hyperslab read per file it touches, cropped to `img_size` and normalised with the
+global means and stds exactly like the training loader (data.dataset.ERA5Dataset, which
+also checks the files, their grid and the statistics here). Year files whose times continue
+each other (the next one's first sample 6 h after this one's last: consecutive prepared
+years) form one run, and a rollout from late December reads its truth from the next year,
+as WeatherBench-2 scores every initial time whose truth exists.
 
 The time of every sample comes from the file's `time` dataset (hours since 1970-01-01;
 files without one: 6-hourly from 00 UTC on 1 January of the year the file is named after),
@@ -58,6 +60,9 @@ class RolloutData:
         self._fields: dict[str, h5py.Dataset] = {}
         self._times = {path: _file_times(path, n)
                        for path, n in zip(self.files, self.lengths, strict=True)}
+        self.runs = _runs(self.files, self.lengths, self._times)
+        self._place = {path: (r, offset) for r, run in enumerate(self.runs)
+                       for path, offset, _ in run}
 
     def channel_names(self) -> list[str]:
         """From the files' `channel_names` attribute (the synthetic data writes it), else
@@ -70,23 +75,41 @@ class RolloutData:
             return names[:C]
         return [CHANNEL_NAMES[c] if c < len(CHANNEL_NAMES) else f"ch{c}" for c in range(C)]
 
+    def _window(self, ic: InitialCondition, lead_steps: int) -> list[tuple[str, slice]]:
+        """[(file, rows)] holding samples i, i + dt, ..., i + L*dt of `ic`'s run: a strided
+        slice of each file the window touches."""
+        r, offset = self._place[ic.file]
+        start, stop = offset + ic.index, offset + ic.index + lead_steps * self.dt + 1
+        out = []
+        for path, first, n in self.runs[r]:
+            a = max(start, first)
+            a += (start - a) % self.dt  # the first row of the window in this file
+            if a < min(stop, first + n):
+                out.append((path, slice(a - first, min(stop, first + n) - first, self.dt)))
+        return out
+
     def valid_times(self, ics: list[InitialCondition], lead_steps: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(hours since 1970-01-01, year fraction, UTC hour of day), each (B, L+1), of the
         samples a rollout from each initial condition is scored against."""
-        rows = [ic.index + self.dt * np.arange(lead_steps + 1) for ic in ics]
-        picked = [tuple(a[r] for a in self._times[ic.file]) for ic, r in zip(ics, rows,
-                                                                              strict=True)]
+        picked = [[np.concatenate([self._times[path][k][rows]
+                                   for path, rows in self._window(ic, lead_steps)])
+                   for k in range(3)] for ic in ics]
         return tuple(np.stack([p[k] for p in picked]) for k in range(3))  # type: ignore[return-value]
 
     def lead_hours(self, lead_steps: int) -> list[int]:
         return [k * self.dt * HOURS_PER_SAMPLE for k in range(lead_steps + 1)]
 
     def candidates(self, lead_steps: int) -> list[InitialCondition]:
-        """Every sample whose rollout of `lead_steps` stays inside its year file."""
+        """Every sample whose rollout of `lead_steps` has its truth: inside its run of
+        consecutive year files."""
         span = lead_steps * self.dt
-        return [InitialCondition(f, i) for f, n in zip(self.files, self.lengths, strict=True)
-                for i in range(max(n - span, 0))]
+        out = []
+        for run in self.runs:
+            total = run[-1][1] + run[-1][2]
+            out += [InitialCondition(path, i) for path, first, n in run
+                    for i in range(max(min(n, total - span - first), 0))]
+        return out
 
     def pick(self, n: int | None, lead_steps: int) -> list[InitialCondition]:
         """`n` initial conditions spread evenly over the split (in time order); None: the
@@ -95,9 +118,11 @@ class RolloutData:
             raise DataError(f"--lead_steps must be at least 1, got {lead_steps}")
         allowed = self.candidates(lead_steps)
         if not allowed:
+            longest = max(run[-1][1] + run[-1][2] for run in self.runs)
             raise DataError(f"{self.location}: a {lead_steps}-step rollout needs "
-                            f"{lead_steps * self.dt + 1} consecutive samples in one year file, "
-                            f"the longest has {max(self.lengths)}; lower --lead_steps")
+                            f"{lead_steps * self.dt + 1} consecutive samples (a year file, or "
+                            f"consecutive years), the longest run has {longest}; lower "
+                            "--lead_steps")
         if n is None:
             n = min(DEFAULT_INITIAL_CONDITIONS, len(allowed))
         if not 1 <= n <= len(allowed):
@@ -118,21 +143,54 @@ class RolloutData:
         """(B, L+1, C, H, W) normalised fields at leads 0..L of each initial condition;
         with a `tile` (spatial parallelism), only its rows and columns of the grid."""
         tile = tile or Tile.whole(self.img_size)
-        span = lead_steps * self.dt
         windows = []
         for ic in ics:
-            # One hyperslab: rows i, i+dt, ..., i+span; the tile's grid points.
-            x = self._dataset(ic.file)[ic.index: ic.index + span + 1: self.dt, :,
-                                       tile.rows, tile.cols]
+            # One hyperslab per file: rows i, i+dt, ..., i+span; the tile's grid points.
+            parts = [self._dataset(path)[rows, :, tile.rows, tile.cols]
+                     for path, rows in self._window(ic, lead_steps)]
+            x = parts[0] if len(parts) == 1 else np.concatenate(parts)
             x -= self.means
             x /= self.stds
             windows.append(torch.from_numpy(x))
         return torch.stack(windows)
 
+    def read_at(self, hours: np.ndarray) -> np.ndarray:
+        """(n, C, H, W) fields in physical units (not normalised), cropped to img_size, of
+        the samples at `hours` (hours since 1970-01-01, each in the split; else DataError)."""
+        files = list(self._times)
+        every = np.concatenate([self._times[f][0] for f in files])
+        owner = np.concatenate([np.full(len(self._times[f][0]), k) for k, f in
+                                enumerate(files)])
+        row = np.concatenate([np.arange(len(self._times[f][0])) for f in files])
+        order = np.argsort(every, kind="stable")
+        pos = np.searchsorted(every[order], hours)
+        pos = order[np.minimum(pos, len(order) - 1)]
+        missing = np.asarray(hours)[every[pos] != hours]
+        if len(missing):
+            when = np.datetime64("1970-01-01T00", "h") + int(missing[0]) * np.timedelta64(1, "h")
+            raise DataError(f"{self.location} has no sample at {when}")
+        H, W = self.img_size
+        return np.stack([self._dataset(files[owner[p]])[row[p], :, :H, :W] for p in pos])
+
     def close(self) -> None:
         for ds in self._fields.values():
             ds.file.close()
         self._fields.clear()
+
+
+def _runs(files: list[str], lengths: list[int],
+          times: dict[str, tuple[np.ndarray, ...]]) -> list[list[tuple[str, int, int]]]:
+    """Files grouped into runs of continuing times: [[(file, its first position in the
+    run, samples)]]."""
+    runs: list[list[tuple[str, int, int]]] = []
+    for path, n in zip(files, lengths, strict=True):
+        if runs:
+            last, first, m = runs[-1][-1]
+            if m and n and times[path][0][0] - times[last][0][m - 1] == HOURS_PER_SAMPLE:
+                runs[-1].append((path, first + m, n))
+                continue
+        runs.append([(path, 0, n)])
+    return runs
 
 
 def _file_times(path: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -3,7 +3,7 @@ tutorial's HDF5 layout: the 20 channels, one file per year per split, stats/ and
 
     python -m data.prepare_era5 SOURCE OUT --train_years 1979-2015 \\
         --valid_years 2016-2017 --test_years 2018 [--crop_rows 720] [--coarsen K] \\
-        [--max_samples N] [--batch_size B] [--workers N] [--task I]
+        [--max_samples N] [--batch_size B] [--workers N] [--read_threads T] [--task I]
 
 Writes OUT/{train,valid,test}/<year>.h5 (data/era5_writer.py) and, from the training
 years, OUT/stats/: global_means.npy, global_stds.npy, time_means.npy (the tutorial's),
@@ -20,17 +20,22 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue as queues
 import resource
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any, NoReturn
 
+from data.era5_source import READ_THREADS
 from data.era5_writer import (
     Plan,
     YearResult,
     file_grid,
+    forget_sources,
     is_complete,
+    open_source,
+    output_grid,
     prepare_year,
     sums_file,
     year_file,
@@ -40,12 +45,15 @@ from utils.errors import EXIT_USER_ERROR, DataError
 
 SPLITS = ("train", "valid", "test")
 EPILOG = """\
-memory (peak, per worker): one batch of the source's fields at a time, about
-  3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read, stacked,
-  flipped or block-averaged), plus for a training year its statistics sums,
-  14 x 21 x H x W x 8 bytes (H x W: the output grid), plus ~0.2 GB of Python and libraries.
-  0.25 degrees (721 x 1440), batch 8: ~2 GB for the batch and 2.4 GB for the sums (0.6 GB
-  with --coarsen 2); 2.8125 degrees (64 x 128), batch 8: 0.29 GB measured. Times --workers.
+memory (peak, per worker): the chunks a batch reads, decoded while it is read (a store
+  chunk holds one time of a variable, all its levels): batch_size x ~295 MB at 0.25
+  degrees from WeatherBench-2, x ~795 MB from ARCO-ERA5 (37 levels); then the batch's
+  fields, about 3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read,
+  stacked, flipped or block-averaged); for a training year its statistics sums,
+  14 x 21 x H x W x 8 bytes (H x W: the output grid); ~0.2 GB of Python and libraries.
+  0.25 degrees, batch 8: ~2.4 GB of chunks (ARCO ~6.4 GB), ~2 GB for the fields, 2.4 GB
+  for the sums (0.6 GB with --coarsen 2); 5.625 degrees, batch 32: 0.22 GB measured.
+  Times --workers.
 
 SLURM: one array task per year (tasks count the train, then valid, then test years), then
   one run without --task to verify every year and merge the statistics:
@@ -105,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples read and written at a time (memory: see below)")
     p.add_argument("--workers", type=positive, default=1, metavar="N",
                    help="years prepared in parallel processes")
+    p.add_argument("--read_threads", type=positive, default=READ_THREADS, metavar="T",
+                   help="reads in flight per process (a remote store's latency hides "
+                        f"behind the others; default {READ_THREADS})")
     p.add_argument("--task", type=int, default=None, metavar="I",
                    help="prepare only the I-th year (SLURM array task; no statistics)")
     return p
@@ -124,51 +135,57 @@ def jobs_of(args: argparse.Namespace) -> list[tuple[str, int]]:
     return jobs
 
 
-class ProgressBar:
-    """samples done / total, samples/s, MB/s written, ETA: one line, rewritten in place on
-    a terminal, else printed every `every` seconds."""
+class _Lines:
+    """A log file's view of tqdm: each redraw becomes a line of its own."""
 
-    def __init__(self, total: int, bytes_per_sample: int, every: float = 10.0):
-        self.total, self.per_sample, self.every = total, bytes_per_sample, every
-        self.done, self.start, self.last = 0, time.perf_counter(), 0.0
-        self.tty = sys.stderr.isatty()
+    def __init__(self, stream: Any):
+        self.stream = stream
 
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if self.tty or now - self.last >= self.every or self.done >= self.total:
-            self.last = now
-            print(self.line(), end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+    def write(self, text: str) -> None:
+        if text.startswith("\r"):
+            self.stream.write(text[1:].rstrip() + "\n")
+        elif text.strip():
+            self.stream.write(text)
 
-    def line(self) -> str:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        rate = self.done / seconds
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        return (f"prepared {self.done}/{self.total} samples "
-                f"({100 * self.done / max(self.total, 1):.0f}%), {rate:.1f} samples/s, "
-                f"{rate * self.per_sample / 1e6:.1f} MB/s, ETA {_duration(eta)}")
+    def flush(self) -> None:
+        self.stream.flush()
 
 
-def _duration(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    m, s = divmod(int(seconds + 0.5), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+def progress_bar(total: int, bytes_per_sample: int) -> Any:
+    """tqdm over the samples to write, with the MB/s written; on a terminal it redraws in
+    place, in a log file it prints a line every 10 s."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=total, desc="prepared", unit=" samples",
+               file=sys.stderr if tty else _Lines(sys.stderr),
+               mininterval=0.5 if tty else 10.0, dynamic_ncols=tty, ascii=not tty)
+    bar.bytes_per_sample = bytes_per_sample
+    return bar
+
+
+def _advance(bar: Any, n: int) -> None:
+    seconds = max(bar.format_dict["elapsed"], 1e-9)
+    written = (bar.n + n) * bar.bytes_per_sample / 1e6
+    bar.set_postfix_str(f"{written / seconds:.1f} MB/s written", refresh=False)
+    bar.update(n)
 
 
 def _bytes_per_sample(plan: Plan) -> int:
-    from data.era5_writer import open_source, output_grid
-
-    H, W = output_grid(plan, open_source(plan.source).grid).shape
+    H, W = output_grid(plan, open_source(plan).grid).shape
     return 20 * H * W * 4
 
 
-def _in_worker(plan: Plan, split: str, year: int, queue: Any, threads: int) -> YearResult:
-    import dask
+_progress: Any = None  # a worker's queue to the progress bar (set by its initializer)
 
-    dask.config.set(scheduler="threads", num_workers=threads)
-    return prepare_year(plan, split, year, report=queue.put)
+
+def _worker_started(progress: Any) -> None:
+    global _progress
+    _progress = progress
+
+
+def _in_worker(plan: Plan, split: str, year: int) -> YearResult:
+    return prepare_year(plan, split, year, report=_progress.put)
 
 
 def run(plan: Plan, jobs: list[tuple[str, int]], workers: int) -> list[YearResult]:
@@ -179,22 +196,30 @@ def run(plan: Plan, jobs: list[tuple[str, int]], workers: int) -> list[YearResul
             print(f"{year_file(plan.out, split, year)} is complete, skipped", file=sys.stderr)
     if not todo:
         return []
-    bar = ProgressBar(sum(plan.samples(y) for _, y in todo), _bytes_per_sample(plan))
-    if workers == 1 or len(todo) == 1:
-        return [prepare_year(plan, s, y, report=bar.add) for s, y in todo]
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    ctx = mp.get_context("spawn")  # fresh interpreters: no dask or HDF5 state across fork
-    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        queue = manager.Queue()
-        pending: set[Future] = {pool.submit(_in_worker, plan, s, y, queue, threads)
-                                for s, y in todo}
-        results = []
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            while not queue.empty():
-                bar.add(queue.get())
-            results += [f.result() for f in done]  # a worker's DataError is raised here
-    return results
+    with progress_bar(sum(plan.samples(y) for _, y in todo), _bytes_per_sample(plan)) as bar:
+        if workers == 1 or len(todo) == 1:
+            return [prepare_year(plan, s, y, report=lambda n: _advance(bar, n))
+                    for s, y in todo]
+        ctx = mp.get_context("spawn")  # fresh interpreters: no zarr or HDF5 state across fork
+        progress = ctx.Queue()
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx,
+                                 initializer=_worker_started, initargs=(progress,)) as pool:
+            pending: set[Future] = {pool.submit(_in_worker, plan, s, y) for s, y in todo}
+            results = []
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                _drain(progress, bar)
+                results += [f.result() for f in done]  # a worker's DataError is raised here
+            _drain(progress, bar)
+        return results
+
+
+def _drain(progress: Any, bar: Any) -> None:
+    while True:
+        try:
+            _advance(bar, progress.get_nowait())
+        except queues.Empty:
+            return
 
 
 def merge_stats(plan: Plan, train_years: list[int]) -> None:
@@ -212,9 +237,12 @@ def merge_stats(plan: Plan, train_years: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    plan = Plan(os.path.abspath(args.source) if "://" not in args.source else args.source,
-                args.out, args.crop_rows, args.coarsen, args.max_samples, args.batch_size)
+    forget_sources()  # a preparation opens its source afresh
     jobs = jobs_of(args)
+    span = (min(y for _, y in jobs), max(y for _, y in jobs))
+    plan = Plan(os.path.abspath(args.source) if "://" not in args.source else args.source,
+                args.out, args.crop_rows, args.coarsen, args.max_samples, args.batch_size,
+                span, args.read_threads)
     if args.task is not None:
         if not 0 <= args.task < len(jobs):
             raise DataError(f"--task {args.task}: there are {len(jobs)} years (0 .. "

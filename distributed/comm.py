@@ -1,9 +1,9 @@
 """Named process groups for tensor (tp), context (cp), spatial (h, w) and data (dp) parallelism.
 
-Call `init(tp, cp, order, h=..., w=...)` once per process after `torch.distributed` is
-initialised (the train scripts do that; `init` initialises it from the launcher's
+Call `init(order, tp=..., cp=..., h=..., w=...)` once per process after `torch.distributed`
+is initialised (the train scripts do that; `init` initialises it from the launcher's
 environment otherwise).
-It builds, on every process, the groups it belongs to:
+It builds, on every process, the groups it belongs to (utils/parallel_axes.py `GROUPS`):
 
     "tp"     ranks that hold different shards of the same layers (heads, MLP columns)
     "cp"     ranks that hold different slices of the token sequence
@@ -45,16 +45,14 @@ from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
 from utils.errors import ConfigError, LaunchError
 from utils.openmp import threads_per_process
+from utils.parallel_axes import DEFAULT_ORDER, GROUPS, MODEL_PARALLEL, model_parallel_size
 
-GROUP_NAMES = ("tp", "cp", "h", "w", "dp", "tp-cp", "h-w", "mp")
-# "mp" is a name, not an axis: the group of all model-parallel axes.
-MP_AXES = "tp-cp-h-w"
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
 _groups: dict[str, dist.ProcessGroup | None] = {}
-_layout: RankGenerator | None = None
+_group_names: dict[str, str] = {}  # torch.distributed's own name of each group
 
 
 def is_distributed() -> bool:
@@ -69,14 +67,9 @@ def get_world_rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
-def get_local_rank() -> int:
-    """Rank within the node (selects the GPU), from the launcher's environment."""
-    return resolve_launch_env().local_rank
-
-
 def _check_name(name: str) -> None:
-    if name not in GROUP_NAMES:
-        raise KeyError(f"unknown process group {name!r}; expected one of {GROUP_NAMES}")
+    if name not in GROUPS:
+        raise KeyError(f"unknown process group {name!r}; expected one of {tuple(GROUPS)}")
 
 
 def get_size(name: str) -> int:
@@ -99,51 +92,58 @@ def get_group(name: str) -> dist.ProcessGroup | None:
     return _groups.get(name)
 
 
-def get_layout() -> RankGenerator | None:
-    """The rank layout built by `init` (None before)."""
-    return _layout
+def get_group_name(name: str) -> str:
+    """torch.distributed's name of the group `name` (a string a compiled graph can hold
+    instead of the group itself: distributed/helpers.py)."""
+    _check_name(name)
+    return _group_names[name]
 
 
-def init(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", backend: str | None = None,
-         verbose: bool = False, h: int = 1, w: int = 1) -> None:
-    """Build the process groups of a tp x cp x h x w x dp layout (dp is what is left).
+def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool = False,
+         **sizes: int) -> None:
+    """Build the process groups of a tp x cp x h x w x dp layout: `sizes` of the model-
+    parallel axes (tp=2, h=2, ...; 1 if not given), dp is what the world leaves.
 
     `order` lists the axes fastest-varying first (see distributed.rank_generator). Every process
     must call this with the same arguments: creating a group is collective over the world.
     `backend` is only used when this call has to initialise torch.distributed itself.
     """
-    global _layout
+    unknown = sorted(set(sizes) - set(MODEL_PARALLEL))
+    if unknown:
+        raise TypeError(f"init() got sizes of {', '.join(unknown)}; the model-parallel axes "
+                        f"are {MODEL_PARALLEL} (dp is what the world leaves)")
     if not is_distributed():
         env = resolve_launch_env()
         if env.distributed:
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                     init_method=f"tcp://{env.master_addr}:{env.master_port}")
     world = get_world_size()
-    model_parallel = tp * cp * h * w
-    if min(tp, cp, h, w) < 1 or world % model_parallel != 0:
-        raise ConfigError(f"world size {world} is not divisible by tp x cp x h x w = "
-                         f"{tp} x {cp} x {h} x {w}: choose sizes whose product divides it")
-    layout = RankGenerator(tp, cp, world // model_parallel, order, h=h, w=w)
+    model_parallel = model_parallel_size(sizes)
+    split = " x ".join(str(sizes.get(a, 1)) for a in MODEL_PARALLEL)
+    if min(sizes.values(), default=1) < 1 or world % model_parallel != 0:
+        raise ConfigError(f"world size {world} is not divisible by {' x '.join(MODEL_PARALLEL)}"
+                          f" = {split}: choose sizes whose product divides it")
+    layout = RankGenerator({**sizes, "dp": world // model_parallel}, order)
     rank = get_world_rank()
-    sizes, ranks, groups = {}, {}, {}
+    new_sizes, ranks, groups = {}, {}, {}
     made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # same members, same group
-    for name in GROUP_NAMES:
-        for members in layout.get_ranks(MP_AXES if name == "mp" else name):
+    for name in GROUPS:
+        for members in layout.get_ranks(name):
             # new_group is collective over the whole world: every process creates every group
             key = tuple(members)
             if key not in made:
                 made[key] = dist.new_group(ranks=members) if is_distributed() else None
             if rank in members:
-                sizes[name], ranks[name], groups[name] = len(members), members.index(rank), \
-                    made[key]
+                new_sizes[name], ranks[name], groups[name] = len(members), \
+                    members.index(rank), made[key]
     reset()
-    _sizes.update(sizes)
+    _sizes.update(new_sizes)
     _ranks.update(ranks)
     _groups.update(groups)
-    _layout = layout
+    _group_names.update({n: g.group_name for n, g in groups.items() if g is not None})
     if verbose and rank == 0:
-        print(f"comm: world {world} = tp {tp} x cp {cp} x h {h} x w {w} x dp "
-              f"{layout.sizes['dp']} (order {'-'.join(layout.order)}, fastest first)")
+        axes = " x ".join(f"{a} {n}" for a, n in layout.sizes.items())
+        print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
 
 
 def shutdown() -> None:
@@ -192,18 +192,17 @@ def gloo_threads() -> int:
 
 def reset() -> None:
     """Forget the layout (tests; the groups themselves live until torch.distributed ends)."""
-    global _layout
     _sizes.clear()
     _ranks.clear()
     _groups.clear()
-    _layout = None
+    _group_names.clear()
 
 
 # ----------------------------------------------------------------------------- process set-up
 
-def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int = 1,
-                 w: int = 1) -> tuple[LaunchEnv, torch.device]:
-    """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups."""
+def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, torch.device]:
+    """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups
+    (`init`: the model-parallel `sizes`, tp=2, ...)."""
     run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
     if torch.cuda.is_available():
@@ -234,7 +233,7 @@ def init_process(tp: int = 1, cp: int = 1, order: str = "tp-cp-h-w-dp", h: int =
             if problem is None:
                 raise
             raise LaunchError(problem) from None
-    init(tp=tp, cp=cp, order=order, h=h, w=w)  # every rank raises the same one-line error
+    init(order, **sizes)  # every rank raises the same one-line error
     return env, device
 
 

@@ -6,12 +6,21 @@ versions, only for equal shapes on every rank. Uneven splits (7 tokens over 2 ra
 therefore padded to the largest chunk, exchanged with the single-tensor collective, and
 trimmed. The same code runs unchanged on NCCL.
 
+Under torch.compile the collectives name their group by its string name (functional
+collectives, torch.distributed._functional_collectives): Dynamo would otherwise turn an
+in-place `dist.all_reduce(x, group=pg)` into a functional one that takes the group object as
+a graph input, and PyTorch 2.13 keeps such a graph alive after the run (a backward node of
+the compiled autograd Function outlives it), and with it the group and gloo's threads, into
+interpreter exit (tests/test_compiled_model_parallel.py). Eagerly, and in CUDA graphs, the
+in-place c10d collectives run as they are; both paths give the same sums.
+
 Parameter annotations (set with `annotate`, read by `sync_shared_gradients`):
     param.sharded_dims_mp  per tensor dim, the group it is split over, or None
     param.shard_blocks     the sharded dim is a concatenation of this many equal blocks, each
                            split separately (the fused qkv: [q | k | v])
     param.is_shared_mp     groups over which the parameter is replicated (identical copies):
-                           every model-parallel group (MP_GROUPS) that does not shard it
+                           every model-parallel axis (utils.parallel_axes) that does not
+                           shard it
     param.partial_grad_mp  groups over which each rank's gradient is only a *partial sum*,
                            because the ranks apply the parameter to different tokens (cp) or
                            grid points (h, w). Always a subset of is_shared_mp.
@@ -30,11 +39,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from distributed import comm
-
-MP_GROUPS = ("tp", "cp", "h", "w")
+from utils.parallel_axes import MODEL_PARALLEL
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,11 +59,6 @@ def compute_split_shapes(size: int, num_chunks: int) -> list[int]:
         raise ValueError(f"cannot split {size} elements into {num_chunks} non-empty chunks")
     base, extra = divmod(size, num_chunks)
     return [base + 1 if i < extra else base for i in range(num_chunks)]
-
-
-def split_tensor_along_dim(x: torch.Tensor, dim: int, num_chunks: int) -> list[torch.Tensor]:
-    """Views of `x` split along `dim` into `compute_split_shapes` chunks."""
-    return list(torch.split(x, compute_split_shapes(x.shape[dim], num_chunks), dim=dim))
 
 
 def exchange_sizes(local: int, group_name: str, device: torch.device) -> list[int]:
@@ -82,8 +86,11 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group_name: str,
     local = x.movedim(dim, 0)
     if local.shape[0] < width:
         local = torch.cat([local, local.new_zeros((width - local.shape[0], *local.shape[1:]))])
-    buf = local.new_empty((world * width, *local.shape[1:]))
-    _all_gather_single(buf, local.contiguous(), group=comm.get_group(group_name))
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        buf = funcol.all_gather_tensor(local.contiguous(), 0, comm.get_group_name(group_name))
+    else:
+        buf = local.new_empty((world * width, *local.shape[1:]))
+        _all_gather_single(buf, local.contiguous(), group=comm.get_group(group_name))
     chunks = [buf[r * width: r * width + n] for r, n in enumerate(sizes)]
     return torch.cat(chunks).movedim(0, dim).contiguous()
 
@@ -104,15 +111,22 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group_name: str,
     buf = full.new_zeros((world * width, *full.shape[1:]))
     for r, chunk in enumerate(torch.split(full, sizes)):
         buf[r * width: r * width + sizes[r]] = chunk
-    out = buf.new_empty((width, *full.shape[1:]))
-    _reduce_scatter_single(out, buf, group=comm.get_group(group_name))
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        out = funcol.reduce_scatter_tensor(buf, "sum", 0, comm.get_group_name(group_name))
+    else:
+        out = buf.new_empty((width, *full.shape[1:]))
+        _reduce_scatter_single(out, buf, group=comm.get_group(group_name))
     return out[: sizes[comm.get_rank(group_name)]].movedim(0, dim).contiguous()
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """In-place sum over the group (returns `x`)."""
-    if comm.get_size(group_name) > 1:
-        dist.all_reduce(x, group=comm.get_group(group_name))
+    """The sum of `x` over the group. Eagerly it is written into `x` (returned); compiled it
+    is a new tensor: pass an `x` that is not needed afterwards, and use the result."""
+    if comm.get_size(group_name) == 1:
+        return x
+    if torch.compiler.is_compiling():  # by the group's name (module docstring)
+        return funcol.all_reduce(x, "sum", comm.get_group_name(group_name))
+    dist.all_reduce(x, group=comm.get_group(group_name))
     return x
 
 
@@ -125,7 +139,7 @@ def annotate(param: torch.Tensor, sharded_dims: Sequence[str | None] | None = No
     model-parallel group holds a replica; `partial_grad` lists the replica groups whose
     ranks apply it to different tokens or grid points."""
     param.sharded_dims_mp = list(sharded_dims) if sharded_dims is not None else [None] * param.dim()
-    param.is_shared_mp = [g for g in MP_GROUPS if g not in param.sharded_dims_mp]
+    param.is_shared_mp = [g for g in MODEL_PARALLEL if g not in param.sharded_dims_mp]
     param.partial_grad_mp = list(partial_grad)
     param.shard_blocks = blocks
 
@@ -168,7 +182,7 @@ def sync_shared_gradients(model: nn.Module) -> None:
     if plan is None:
         check_annotations(model)
         plan = [(group_name, [p for p in model.parameters() if group_name in p.partial_grad_mp])
-                for group_name in MP_GROUPS if comm.get_size(group_name) > 1]
+                for group_name in MODEL_PARALLEL if comm.get_size(group_name) > 1]
         model._grad_sync_plan = plan
     for group_name, params in plan:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

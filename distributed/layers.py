@@ -12,8 +12,6 @@ how it is laid out; `sync_shared_gradients(model)` uses that to finish its gradi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,7 +20,6 @@ from distributed import comm
 from distributed.helpers import (
     annotate,
     compute_split_shapes,
-    gather_tensor,
     shard_tensor,
 )
 from distributed.mappings import (
@@ -32,7 +29,6 @@ from distributed.mappings import (
     scatter_to_parallel_region,
 )
 from networks.kernels import attention
-from utils.model_wrappers import unwrap
 
 
 class ColumnParallelLinear(nn.Module):
@@ -196,43 +192,3 @@ class DistributedLayers:
 
     def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return shard_tensor(full, param)
-
-
-# ------------------------------------------------------------- serial <-> distributed weights
-
-def shard_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
-    """This rank's state dict for `model`, cut from a serial (single-device) state dict."""
-    model = unwrap(model)
-    params = dict(model.named_parameters())
-    out = {}
-    for name, value in model.state_dict().items():
-        full = serial_sd[name]
-        out[name] = shard_tensor(full, params[name]) if name in params else full
-        if out[name].shape != value.shape:
-            raise ValueError(f"{name}: shard {tuple(out[name].shape)} != {tuple(value.shape)}")
-    return out
-
-
-def load_serial_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tensor]) -> None:
-    """Copy a serial model's weights into the (tensor/context-parallel) `model`."""
-    unwrap(model).load_state_dict(shard_state_dict(model, serial_sd))
-
-
-@torch.no_grad()
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The serial state dict of a distributed model (collective over tp: call on every rank).
-
-    Layout-free checkpoints: load it into any layout with `load_serial_state_dict`.
-    """
-    model = unwrap(model)
-    params = dict(model.named_parameters())
-    return {name: gather_tensor(value, params[name]) if name in params else value
-            for name, value in model.state_dict().items()}
-
-
-@torch.no_grad()
-def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Serial-layout gradients of a distributed model (tests and debugging)."""
-    return {name: gather_tensor(p.grad, p) for name, p in unwrap(model).named_parameters()
-            if p.grad is not None}

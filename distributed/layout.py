@@ -9,7 +9,8 @@ World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
     layers work on this rank's tile of the grid. Both initialise to the serial numbers;
   - the `tile` of the grid this rank reads, trains on and scores (the whole grid unless the
     AFNO's grid is split over h x w);
-  - the loss: networks.loss.l2_loss, on a mesh with its sums completed over the tiles;
+  - how the loss's sums over the grid are completed (`sum_over_grid`): over the mesh's
+    tiles, or not at all on a whole grid (the loss itself is networks/loss.py's);
   - what runs after backward: parameters replicated across model-parallel ranks (norms,
     biases, embeddings) get their partial gradients summed over those ranks
     (`sync_shared_gradients`; DDP then averages over dp);
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +40,21 @@ from distributed.layers import DistributedLayers
 from distributed.loss_scaling import AgreedGradScaler
 from distributed.mappings import reduce_from_parallel_region
 from distributed.spatial import SpatialLayers, field_tile
-from networks.loss import l2_loss
-from utils.compile_cache import use_compile_cache
+from networks.loss import SumOverGrid
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.parallel_axes import (
+    BY_NAME,
+    MODEL_PARALLEL,
+    NAMES,
+    config_sizes,
+    is_model_parallel,
+    split_family,
+)
 from utils.precision import Precision
 from utils.tile import Tile
 
 log = logging.getLogger("layout")
-
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MODEL_PARALLEL_KEYS = ("tp", "cp", "h_parallel_size", "w_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -66,16 +70,15 @@ class Layout:
     device: torch.device
     layers: Any  # the networks' layer factory; None: their serial layers
     tile: Tile
-    loss: Loss
 
     # ------------------------------------------------------------------ building one
     @classmethod
     def data_parallel(cls, cfg: Config) -> Layout:
         """train.py's layout: data parallelism only (every rank holds the whole model)."""
-        split = {k: getattr(cfg, k) for k in MODEL_PARALLEL_KEYS if getattr(cfg, k) > 1}
-        if split:
-            sizes = ", ".join(f"{k} {v}" for k, v in split.items())
-            raise ConfigError(f"config '{cfg.config}' sets {sizes}: train.py trains "
+        sizes = config_sizes(cfg)
+        if is_model_parallel(sizes):
+            split = ", ".join(f"{BY_NAME[a].key} {n}" for a, n in sizes.items() if n > 1)
+            raise ConfigError(f"config '{cfg.config}' sets {split}: train.py trains "
                               "data-parallel only; run train_mp.py for model parallelism")
         return cls.model_parallel(cfg)
 
@@ -83,40 +86,41 @@ class Layout:
     def model_parallel(cls, cfg: Config) -> Layout:
         """Join the job and build the tp x cp x h x w x dp process groups of `cfg` (every
         process of the job calls this with the same config), then decide the rest."""
-        env, device = comm.init_process(cfg.tp, cfg.cp, cfg.parallel_order,
-                                        h=cfg.h_parallel_size, w=cfg.w_parallel_size)
+        env, device = comm.init_process(cfg.parallel_order, **config_sizes(cfg))
         return cls.of_groups(cfg, env, device)
 
     @classmethod
     def of_groups(cls, cfg: Config, env: LaunchEnv, device: torch.device) -> Layout:
         """The layout of process groups that exist already (comm.init ran)."""
-        if cfg.enable_jit:  # before anything compiles: kernels cached under the log root
-            use_compile_cache(cfg.expdir)
-        if comm.get_size("h-w") > 1:  # the schema allows a mesh only for the AFNO
-            # A mesh's loss holds a collective (the sums over the tiles): it stays eager.
-            sum_over_mesh = functools.partial(reduce_from_parallel_region, group_name="h-w")
+        kind = split_family({a: comm.get_size(a) for a in MODEL_PARALLEL}) or "serial"
+        if kind == "spatial":  # the schema allows a mesh only for the AFNO
             return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),
-                       field_tile(cfg.img_size, cfg.patch_size),
-                       functools.partial(l2_loss, sum_over_grid=sum_over_mesh))
-        # The loss of a whole grid is compiled like the model: one pass over the output.
-        loss = torch.compile(l2_loss) if cfg.enable_jit else l2_loss
+                       field_tile(cfg.img_size, cfg.patch_size))
         whole = Tile.whole(cfg.img_size)
-        if comm.get_size("tp-cp") > 1:  # ... only for the ViT
-            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole,
-                       loss)
-        return cls("serial", cfg.parallel_order, env, device, None, whole, loss)
+        if kind == "tensor":  # ... only for the ViT
+            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole)
+        return cls("serial", cfg.parallel_order, env, device, None, whole)
 
     # ------------------------------------------------------------------ training
     @property
+    def sum_over_grid(self) -> SumOverGrid | None:
+        """How a loss completes its sums over the grid (networks/loss.py): on a mesh, each
+        rank's sums are of its tile, summed over "h-w" (the backward passes each tile its own
+        gradient); None when this rank holds the whole grid."""
+        if self.tile.is_whole:
+            return None
+        return functools.partial(reduce_from_parallel_region, group_name="h-w")
+
+    @property
     def is_model_parallel(self) -> bool:
-        """Whether the model is split over several ranks (tensor or spatial)."""
+        """Whether the model is split over several ranks (tensor or spatial: the family of
+        axes that split it, `utils.parallel_axes.split_family`)."""
         return self.kind != "serial"
 
     def after_backward(self, model: nn.Module) -> None:
         """Between backward and the optimizer step: complete the gradients of parameters
-        replicated across model-parallel ranks (a no-op in the serial layout)."""
-        if self.is_model_parallel:
-            sync_shared_gradients(model)
+        replicated across model-parallel ranks (the step calls it on such a layout only)."""
+        sync_shared_gradients(model)
 
     def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
         """The run's loss scaler (enabled for fp16 only; `training.run.build_training`).
@@ -147,4 +151,4 @@ class Layout:
 
     def sizes(self) -> dict[str, int]:
         """Every group's size, for logs and result files."""
-        return {g: comm.get_size(g) for g in ("tp", "cp", "h", "w", "dp")}
+        return {a: comm.get_size(a) for a in NAMES}

@@ -12,17 +12,21 @@ scaler has computed them, so every rank of the group steps, or skips and backs o
 (Megatron-LM does the same over its model-parallel group). Data-parallel replicas need no
 such agreement: DDP has averaged their gradients, so an inf on one is an inf on all.
 
-Why not PyTorch's `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (same
-purpose): it sums the flags (a verdict of 2.0 on two ranks) into a tensor of shape (1,).
-Fused Adam (`--enable_fused`) skips its update only for a flag of exactly 1 and subtracts
-the flag from its step counters, which must broadcast to their shape (): with
-ShardedGradScaler, fused Adam fails with a shape error, and would otherwise step on inf
-gradients. MAX keeps the flag a 0-d tensor of 0 or 1, as GradScaler makes it.
+Every rank of the group joins the all-reduce, also one whose optimizer holds no gradient
+this step (its parameters took no part in the loss): it brings a flag of 0 on the loss
+scale's device. Skipping the collective there would leave its peers waiting in theirs until
+the time-out (and GradScaler would find "no inf checks recorded" on that rank).
 
-The hook point is `_unscale_grads_`, the method that computes the flags for both ways a
-step reaches them: `unscale_` (plain Adam, or a step that unscales to clip gradients) and
-fused Adam's in-kernel unscaling. It is what ShardedGradScaler itself overrides; the
-distributed tests (tests/test_fp16_overflow.py) catch any change of it.
+The hook point is `_unscale_grads_`, the method that computes the flags on both ways a step
+reaches them: `unscale_` (plain Adam, or a step that unscales to clip gradients) and fused
+Adam's in-kernel unscaling (`GradScaler.step` -> `_check_inf_per_device`, which never calls
+`unscale_`). PyTorch's `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
+(the same purpose, for FSDP) adds the zero flag of a rank without gradients in
+`_unscale_grads_` too, but all-reduces the flags in `unscale_`: on the fused path no rank
+would agree. That is why the verdict is reached here. It also sums the flags (2.0 on two
+ranks) where fused Adam skips its update only for a flag of exactly 1; MAX keeps the flag
+0 or 1, as GradScaler makes it. The distributed tests (tests/test_fp16_overflow.py,
+tests/test_loss_scaling.py) catch any change of this private method.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ class AgreedGradScaler(torch.amp.GradScaler):
                         found_inf: torch.Tensor, allow_fp16: bool
                         ) -> dict[torch.device, torch.Tensor]:
         """GradScaler's unscaling (and finding of inf/NaN) on this rank's gradients, then
-        the group's verdict: each flag (one per device) all-reduced with MAX, in place."""
+        the group's verdict: each flag (one per device) all-reduced with MAX, in place. A
+        rank without gradients joins with a flag of 0 on the scale's device (`found_inf`'s)."""
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not found:
+            found = {found_inf.device: torch.zeros_like(found_inf)}
         for flag in found.values():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return found

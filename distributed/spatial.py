@@ -20,14 +20,14 @@ import torch.nn as nn
 from distributed import comm
 from distributed.fft import RealFFT2, balanced_split, kept_modes
 from distributed.helpers import (
-    all_gather_along_dim,
     annotate,
     compute_split_shapes,
     shard_tensor,
 )
+from utils.parallel_axes import family_axes
 from utils.tile import Tile
 
-SPATIAL_GROUPS = ("h", "w")
+SPATIAL_GROUPS = family_axes("spatial")  # the axes of the tile's rows, then of its columns
 
 
 def tile_bounds(grid: tuple[int, int], patch_size: int = 1) -> tuple[slice, slice]:
@@ -48,23 +48,6 @@ def field_tile(img_size: tuple[int, int] | list[int], patch_size: int) -> Tile:
     H, W = (int(n) for n in img_size)
     rows, cols = tile_bounds((H // patch_size, W // patch_size), patch_size)
     return Tile((H, W), rows, cols)
-
-
-def scatter_image(x: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
-    """This rank's tile of a full field (..., H, W) (every rank loaded the whole sample);
-    rows and columns past grid * patch_size are cropped, as the serial model does."""
-    rows, cols = tile_bounds(grid, patch_size)
-    return x[..., rows, cols].contiguous()
-
-
-@torch.no_grad()
-def gather_image(tile: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
-    """The full field (..., H, W) from every rank's tile (validation, plots; not
-    differentiable). Collective over h and w: call it on every rank of the mesh."""
-    rows = [n * patch_size for n in compute_split_shapes(grid[0], comm.get_size("h"))]
-    cols = [n * patch_size for n in compute_split_shapes(grid[1], comm.get_size("w"))]
-    out = all_gather_along_dim(tile, -2, "h", rows)
-    return all_gather_along_dim(out, -1, "w", cols)
 
 
 class SpatialLayers:

@@ -11,23 +11,24 @@ evaluation (and anyone's xarray code) can read and score them.
     longitude             degrees east
 
 Variables carry WeatherBench-2's names (data/era5_names.py: `geopotential`,
-`2m_temperature`, ...) in physical units (a `units` attribute each); geopotential is in
-m2/s2. Chunks hold one field of one initial condition and lead. The store is created once
-(`create_store`, world rank 0) and every writing rank fills its initial conditions'
-`time` slots (`write_forecasts`).
+`2m_temperature`, ...) in its units (a `units` attribute each, `wb2_units`): geopotential in
+m2/s2, relative humidity a fraction (the prepared files hold percent). Chunks hold one field
+of one initial condition and lead. The store is created once (`create_store`, world rank 0)
+and every writing rank fills its initial conditions' `time` slots (`write_forecasts`).
+`wb2_arrays` turns fields into these variables, for the truth too (evaluation/truth_file.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from data.era5_names import CHANNELS
+from data.era5_names import CHANNELS, wb2_units
 from data.grid import Grid
 
 HOURS = np.timedelta64(1, "h")
 
 
-def _layout(channels: list[str]) -> tuple[dict[str, list[tuple[int, int | None]]], list[int]]:
+def wb2_layout(channels: list[str]) -> tuple[dict[str, list[tuple[int, int | None]]], list[int]]:
     """{variable: [(channel index, level or None)]} of the channels in the table, and the
     sorted pressure levels."""
     table = {c.name: c for c in CHANNELS}
@@ -47,8 +48,7 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
     import dask.array as da
     import xarray as xr
 
-    variables, levels = _layout(channels)
-    units = {c.variable: c.units for c in CHANNELS}
+    variables, levels = wb2_layout(channels)
     n, L1 = len(init_hours), len(lead_hours)
     H, W = grid.shape
     data = {}
@@ -59,7 +59,8 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
         shape = (n, L1) + ((len(levels),) if pressure else ()) + (H, W)
         chunks = (1, 1) + ((len(levels),) if pressure else ()) + (H, W)
         data[variable] = xr.Variable(dims, da.full(shape, np.nan, dtype=np.float32,
-                                                   chunks=chunks), {"units": units[variable]})
+                                                   chunks=chunks),
+                                       {"units": wb2_units(variable)[0]})
     coords = {
         "time": np.datetime64("1970-01-01T00", "ns") + np.asarray(init_hours) * HOURS,
         "prediction_timedelta": (np.asarray(lead_hours) * HOURS).astype("timedelta64[ns]"),
@@ -73,24 +74,35 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
     ds.to_zarr(path, mode="w", compute=False, zarr_format=2, consolidated=True)
 
 
+def wb2_arrays(fields: np.ndarray, channels: list[str], leading: tuple[str, ...]
+               ) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+    """{variable: (dims, values)} of `fields` (*leading, C, H, W) in the prepared files'
+    units, rows north to south: WeatherBench-2's names and units, the pressure levels of
+    each variable on the levels of all (NaN where it has none), latitude ascending."""
+    variables, levels = wb2_layout(channels)
+    fields = fields[..., ::-1, :]  # latitude ascending
+    *lead, _, H, W = fields.shape
+    out = {}
+    for variable, entries in variables.items():
+        factor = np.float32(wb2_units(variable)[1])
+        if entries[0][1] is None:
+            (c, _), = entries
+            out[variable] = ((*leading, "latitude", "longitude"),
+                             np.ascontiguousarray(fields[..., c, :, :] * factor,
+                                                  dtype=np.float32))
+            continue
+        block = np.full((*lead, len(levels), H, W), np.nan, dtype=np.float32)
+        for c, level in entries:
+            block[..., levels.index(level), :, :] = fields[..., c, :, :] * factor
+        out[variable] = ((*leading, "level", "latitude", "longitude"), block)
+    return out
+
+
 def write_forecasts(path: str, start: int, fields: np.ndarray, channels: list[str]) -> None:
     """Fill initial conditions start .. start + B - 1 with `fields`, (B, L+1, C, H, W) in
     physical units, rows north to south (as the data)."""
     import xarray as xr
 
-    variables, levels = _layout(channels)
-    fields = fields[..., ::-1, :]  # latitude ascending
-    B, L1, _, H, W = fields.shape
-    data = {}
-    for variable, entries in variables.items():
-        if entries[0][1] is None:
-            (c, _), = entries
-            data[variable] = (("time", "prediction_timedelta", "latitude", "longitude"),
-                              np.ascontiguousarray(fields[:, :, c], dtype=np.float32))
-            continue
-        block = np.full((B, L1, len(levels), H, W), np.nan, dtype=np.float32)
-        for c, level in entries:
-            block[:, :, levels.index(level)] = fields[:, :, c]
-        data[variable] = (("time", "prediction_timedelta", "level", "latitude", "longitude"),
-                          block)
+    B = fields.shape[0]
+    data = wb2_arrays(fields, channels, ("time", "prediction_timedelta"))
     xr.Dataset(data).to_zarr(path, region={"time": slice(start, start + B)})

@@ -31,22 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.era5_names import HEADLINE
 from data.era5_names import channel as channel_info
+from data.era5_names import units_of
 from evaluation.scores import weighted_acc_channels, weighted_mse_channels
 from utils.tile import Tile
 
 FORECASTS = ("model", "persistence", "climatology", "time_mean")
 USEFUL_ACC = 0.6
-HEADLINE_CHANNELS = HEADLINE  # WeatherBench-2's headline variables, in the tutorial's names
-
-# Physical units of the ERA5 channel families (first letters of the name).
-_UNITS = (("tcwv", "kg/m2"), ("msl", "Pa"), ("sp", "Pa"), ("ws", "m/s"), ("u", "m/s"),
-          ("v", "m/s"), ("t", "K"), ("z", "m2/s2"), ("r", "%"))
-
-
-def channel_units(name: str) -> str:
-    return next((unit for prefix, unit in _UNITS if name.startswith(prefix)), "")
 
 
 def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor, climatology: torch.Tensor,
@@ -192,7 +183,7 @@ def format_table(skill: Skill, channel_name: str, leads: Sequence[int] | None = 
     """A markdown table of one channel and region: RMSE and ACC of model and baselines by
     lead."""
     leads = table_leads(len(skill.lead_hours)) if leads is None else leads
-    unit = channel_units(channel_name)
+    unit = units_of(channel_name)
     where = "" if region == "global" else f", {region}"
     lines = [f"| {channel_name}{where} lead | RMSE model | persistence | climatology "
              f"| time mean [{unit}] | ACC model | persistence |",
@@ -234,7 +225,7 @@ def write_csv(skill: Skill, path: str) -> None:
                 for k, hours in enumerate(skill.lead_hours):
                     scores = [float(getattr(skill, m)[i, r, k, c]) for m in METRICS
                               for i in range(len(FORECASTS))]
-                    out.writerow([region, name, *wb2_name(name), channel_units(name), k, hours]
+                    out.writerow([region, name, *wb2_name(name), units_of(name), k, hours]
                                  + [f"{v:.9g}" for v in scores])
 
 
@@ -250,7 +241,7 @@ def skill_to_dict(skill: Skill, metadata: dict[str, Any]) -> dict[str, Any]:
     for c, name in enumerate(skill.channels):
         variable, level = wb2_name(name)
         channels[name] = {
-            "units": channel_units(name), "variable": variable,
+            "units": units_of(name), "variable": variable,
             "level": int(level) if level else None,
             **_scores(skill, skill.regions.index("global"), c),
             "crossings": crossings(skill, name),

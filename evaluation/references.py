@@ -1,14 +1,17 @@
 """What a rollout is scored against besides the truth, in the units the scores work in.
 
 The channels scored are the data's (normalised with the global means and stds) and, when
-the data set has its climatology (stats/climatology.npz, data/climatology.py), the
-derived 10 m wind speed `ws10` that WeatherBench-2 reports, in m/s (scale 1). References:
+there is a climatology of it, the derived 10 m wind speed `ws10` that WeatherBench-2
+reports, in m/s (scale 1). References:
 
-  - the climatology at each valid time (year fraction and hour of day of the sample), the
-    anomaly reference of ACC and the "climatology" baseline;
+  - the climatology at each valid time, the anomaly reference of ACC and the "climatology"
+    baseline: the data set's harmonic fit (stats/climatology.npz, data/climatology.py, at
+    the sample's year fraction and hour of day), or WeatherBench-2's own climatology store
+    (`store`: evaluation/wb2_climatology.py, at the valid time's day of year and hour);
   - the time mean (time_means.npy), the "time_mean" baseline.
 
-A data set without climatology.npz falls back to the time mean for both (logged once).
+A data set without climatology.npz (and no store) falls back to the time mean for both
+(logged once).
 Everything lives on this rank's tile of the grid (spatial parallelism) and on its device.
 """
 
@@ -23,6 +26,7 @@ import torch
 from data.climatology import basis, load_climatology
 from data.era5_names import WIND_COMPONENTS, WIND_SPEED
 from evaluation.scores import Normaliser
+from evaluation.wb2_climatology import StoreClimatology
 from utils.config_schema import Config
 from utils.tile import Tile
 
@@ -32,12 +36,14 @@ log = logging.getLogger(__name__)
 class References:
     """Scoring units, channels and references of a config's data (module docstring)."""
 
-    def __init__(self, cfg: Config, norm: Normaliser, channels: list[str], tile: Tile):
+    def __init__(self, cfg: Config, norm: Normaliser, channels: list[str], tile: Tile,
+                 store: str | None = None):
         device = norm.means.device
         rows, cols = tile.rows, tile.cols
+        self._tile = tile
         C = len(channels)
         clim = load_climatology(os.path.dirname(cfg.time_means_path), cfg.img_size)
-        derive = (clim is not None and WIND_SPEED.name in clim.channels
+        derive = ((store is not None or (clim is not None and WIND_SPEED.name in clim.channels))
                   and all(c in channels for c in WIND_COMPONENTS))
         self.channels = [*channels, WIND_SPEED.name] if derive else list(channels)
         self._wind = [channels.index(c) for c in WIND_COMPONENTS] if derive else []
@@ -48,6 +54,13 @@ class References:
         self._mean_c = norm.means.flatten()
         self._std_c = norm.stds.flatten()
         time_mean = torch.from_numpy(norm.time_mean[:, rows, cols]).to(device)
+        self._store = None
+        if store is not None:
+            self.kind = f"WeatherBench-2 climatology store {store} (day of year x hour)"
+            self._store = StoreClimatology(store, self.channels, norm.grid)
+            self._coefficients = None
+            self.time_mean = self._with_wind(time_mean, clim, rows, cols)
+            return
         if clim is None:
             log.warning(f"{os.path.dirname(cfg.time_means_path)} has no climatology.npz: "
                         "ACC and the climatology baseline use time_means (prepare the data "
@@ -66,6 +79,19 @@ class References:
         self.time_mean = ((mean - self.offset[:, None, None]) / self.scale[:, None, None]
                           ).float()[None, None]
 
+    def _with_wind(self, time_mean: torch.Tensor, clim, rows, cols) -> torch.Tensor:
+        """The time-mean baseline (1, 1, C', rows, cols) in scored units: time_means.npy,
+        and for ws10 the mean wind speed of climatology.npz (NaN without one: no score
+        rather than a wrong one)."""
+        mean = self._scored(time_mean)
+        if len(self.channels) > len(mean):
+            extra = torch.full_like(mean[:1], float("nan"))
+            if clim is not None and WIND_SPEED.name in clim.channels:
+                speed = clim.time_mean[clim.channels.index(WIND_SPEED.name)][rows, cols]
+                extra = torch.from_numpy(speed).to(mean)[None]
+            mean = torch.cat([mean, extra])
+        return mean[None, None]
+
     def _scored(self, physical: torch.Tensor) -> torch.Tensor:
         """(C, ...) physical fields of the data's channels -> normalised."""
         shape = (-1,) + (1,) * (physical.dim() - 1)
@@ -78,9 +104,16 @@ class References:
         u, v = (x[..., c, :, :] * self._std_c[c] + self._mean_c[c] for c in self._wind)
         return torch.cat([x, torch.hypot(u, v).unsqueeze(-3)], dim=-3)
 
-    def climatology(self, phase: np.ndarray, hour: np.ndarray) -> torch.Tensor:
-        """(B, L+1, C', H, W) climatology at each valid time, or the time mean broadcast
-        as (1, 1, C', H, W) when the data has no climatology."""
+    def climatology(self, phase: np.ndarray, hour: np.ndarray,
+                    hours: np.ndarray | None = None) -> torch.Tensor:
+        """(B, L+1, C', H, W) climatology at each valid time (year fraction `phase` and UTC
+        `hour`; for a WeatherBench-2 store, `hours` since 1970-01-01), or the time mean
+        broadcast as (1, 1, C', H, W) when the data has no climatology."""
+        if self._store is not None:
+            fields = self._store.at(hours)[..., self._tile.rows, self._tile.cols]
+            x = torch.from_numpy(fields).to(self.scale.device).double()
+            shape = (-1, 1, 1)
+            return ((x - self.offset.view(shape)) / self.scale.view(shape)).float()
         if self._coefficients is None:
             return self.time_mean
         b = torch.from_numpy(basis(phase, hour)).to(self._coefficients)

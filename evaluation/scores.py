@@ -1,6 +1,6 @@
-"""How a forecast is scored: the training loss, latitude-weighted MSE/RMSE and anomaly
-correlation (ACC) per channel (and region), and `validate` over a data-parallel
-validation set.
+"""How a forecast is scored: latitude-weighted MSE/RMSE and anomaly correlation (ACC) per
+channel (and region), and `validate` over a data-parallel validation set (with the run's
+training loss, networks/loss.py).
 
 Rows are weighted by the area of their cells on the sphere, computed from the latitudes
 the data records (evaluation/regions.py: WeatherBench-2's weights, mean 1). With several
@@ -26,14 +26,18 @@ import numpy as np
 import torch
 
 from data.dataset import load_stats, load_stds, score_grid
+from data.era5_names import CHANNEL_NAMES
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor
-from networks.loss import l2_loss
 from utils.config_schema import Config
 from utils.errors import DataError
 from utils.precision import Precision
 from utils.tile import Tile
+
+# The channels training-time validation reports (the tutorial's): RMSE and ACC of u10, ACC
+# and the example map of t2m, by their place in the data contract's channel order.
+U10, T2M = CHANNEL_NAMES.index("u10"), CHANNEL_NAMES.index("t2m")
 
 
 def _tile_of(x: torch.Tensor, tile: Tile | None) -> Tile:
@@ -68,13 +72,6 @@ def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: tor
     return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-                           tile: Tile | None = None) -> torch.Tensor:
-    """sqrt of `weighted_mse_channels`: the RMSE of each sample (average MSEs, not these,
-    over samples: module docstring)."""
-    return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
-
-
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
                           climatology: torch.Tensor, weights: torch.Tensor,
                           tile: Tile | None = None) -> torch.Tensor:
@@ -89,15 +86,6 @@ def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
                         _weighted_sums(a_t**2, weights, tile)])
     num, pp, tt = _over_grid(sums, tile)
     return torch.where(pp == 0, torch.zeros_like(num), num / torch.sqrt(pp * tt))
-
-
-@torch.no_grad()
-def relative_l2(pred: torch.Tensor, target: torch.Tensor, tile: Tile | None = None
-                ) -> torch.Tensor:
-    """The training loss (networks.loss.l2_loss) as a score, also of fields split into
-    tiles."""
-    tile = _tile_of(pred, tile)
-    return l2_loss(pred, target, None if tile.is_whole else lambda s: _over_grid(s, tile))
 
 
 @torch.no_grad()
@@ -141,10 +129,12 @@ class Normaliser:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Precision,
-             norm: Normaliser, max_batches: int | None = None) -> dict[str, Any]:
-    """Loss, latitude-weighted RMSE(u10m) in m/s (WeatherBench-2's: the root of the mean
-    over samples of the global weighted MSE, as inference.py reports it), persistence RMSE
+def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layout: Layout,
+             precision: Precision, norm: Normaliser, max_batches: int | None = None
+             ) -> dict[str, Any]:
+    """The training loss (`loss_fn`, the run's), latitude-weighted RMSE(u10m) in m/s
+    (WeatherBench-2's: the root of the mean over samples of the global weighted MSE, as
+    inference.py reports it), persistence RMSE
     and ACC (anomalies against the time mean) over the validation set, summed over the
     data-parallel ranks and averaged. On a spatial mesh the loader and the model hold this
     rank's tile of every field (the layout's), and the scores are those of the whole grid
@@ -156,7 +146,8 @@ def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Pre
     # [loss x samples, mse_u10, persistence mse_u10, acc_u10, acc_t2m], summed over samples
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     samples, first = 0, None
-    var_u10 = norm.stds[0, 0, 0, 0].double() ** 2
+    var_u10 = norm.stds[0, U10, 0, 0].double() ** 2
+    u10, both = slice(U10, U10 + 1), [U10, T2M]
     for i, (inp, tar) in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -164,15 +155,15 @@ def validate(model: torch.nn.Module, loader: Any, layout: Layout, precision: Pre
         with precision.autocast():
             gen = model(inp)
         gen = gen.float()
-        mse = weighted_mse_channels(gen[:, :1], tar[:, :1], weights, tile)
-        persist = weighted_mse_channels(inp[:, :1], tar[:, :1], weights, tile)
-        skill = weighted_acc_channels(gen[:, :3:2], tar[:, :3:2], climatology[:, :3:2],
+        mse = weighted_mse_channels(gen[:, u10], tar[:, u10], weights, tile)
+        persist = weighted_mse_channels(inp[:, u10], tar[:, u10], weights, tile)
+        skill = weighted_acc_channels(gen[:, both], tar[:, both], climatology[:, both],
                                       weights, tile)
-        sums += torch.stack([relative_l2(gen, tar, tile) * inp.shape[0], mse.sum(),
+        sums += torch.stack([loss_fn(gen, tar) * inp.shape[0], mse.sum(),
                              persist.sum(), skill[:, 0].sum(), skill[:, 1].sum()]).double()
         samples += inp.shape[0]
         if first is None:  # t2m of the first sample: input, target, forecast, whole grid
-            maps = whole_field(torch.stack([inp[0, 2], tar[0, 2], gen[0, 2]]), tile)
+            maps = whole_field(torch.stack([inp[0, T2M], tar[0, T2M], gen[0, T2M]]), tile)
             first = tuple(m.cpu().numpy() for m in maps)
     totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp")
     n = max(totals[5].item(), 1.0)

@@ -35,11 +35,6 @@ class Modes:
         """Number of kept rows, KH."""
         return min(self.grid[0], 2 * self.kh - 1)
 
-    def kept_rows(self) -> list[int]:
-        """Global indices of the kept rows, in the order the spectrum stores them."""
-        H = self.grid[0]
-        return list(range(self.kh)) + list(range(H - self.rows + self.kh, H))
-
 
 def kept_modes(grid: tuple[int, int], fraction: float = 1.0) -> Modes:
     """The modes AFNO's hard thresholding keeps: `fraction` of each axis' frequencies."""

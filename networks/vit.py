@@ -237,6 +237,7 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
         embed_dim=cfg.embed_dim,
         depth=cfg.depth,
         num_heads=cfg.num_heads,
+        mlp_ratio=cfg.mlp_ratio,
         dropout=cfg.dropout,
         layers=layers,
         seed=cfg.seed,

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -306,6 +307,15 @@ def preempt_slurm_job(cluster, job: int, timeout: float) -> tuple[str, int]:
     return out, int(stopped.group(1))
 
 
+def srun_on_two_nodes(srun: str, command: Sequence[str], launcher: str = "") -> list[str]:
+    """`srun` of `command` as one task on each of two nodes of the job, `launcher` (the
+    site's container launcher) in between. From inside a job step too, where the step's
+    SLURM_NTASKS (1 for `srun -n 1 make test-gpu`) is inherited and would cap the tasks at
+    one: hence `-n 2` next to `-N 2`. `--overlap`: the tasks share the CPUs of that step."""
+    return [srun, "--overlap", "-N", "2", "-n", "2", "--ntasks-per-node=1",
+            *shlex.split(launcher), *command]
+
+
 def slurm_job_output(cluster, job: int, timeout: float) -> str:
     """The output of SLURM `job` once it has COMPLETED with exit 0; otherwise the test fails
     with the job's output and the SLURM daemons' logs."""
@@ -327,6 +337,22 @@ def one_line(err: BaseException | pytest.ExceptionInfo) -> str:
     msg = str(err.value if isinstance(err, pytest.ExceptionInfo) else err)
     assert msg and "\n" not in msg, f"not a one-line message: {msg!r}"
     return msg
+
+
+def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                           tile: Any = None) -> torch.Tensor:
+    """sqrt of `evaluation.scores.weighted_mse_channels`: the RMSE of each sample (a score
+    averages MSEs over samples, not these: evaluation/scores.py), for tests of one sample."""
+    from evaluation.scores import weighted_mse_channels
+
+    return torch.sqrt(weighted_mse_channels(pred, target, weights, tile))
+
+
+def kept_rows(modes: Any) -> list[int]:
+    """Global row indices of the Fourier modes a `networks.spectral.Modes` keeps, in the
+    order the spectrum stores them: frequencies 0 .. kh - 1, then the negative ones."""
+    H = modes.grid[0]
+    return list(range(modes.kh)) + list(range(H - modes.rows + modes.kh, H))
 
 
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, what: str,
@@ -355,10 +381,10 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
     gathered gradient, after the last every gathered parameter, equal the serial ones; the
     replicated parameters stay bitwise identical on the ranks that share them."""
     import torch.distributed as dist
+    from sharded import gather_full_grads, gather_full_state_dict
 
     from distributed import comm
     from distributed.helpers import sync_shared_gradients
-    from distributed.layers import gather_full_grads, gather_full_state_dict
 
     opt_serial = torch.optim.Adam(serial.parameters(), lr=lr)
     opt = torch.optim.Adam(model.parameters(), lr=lr)

@@ -1,13 +1,17 @@
 """A train script run as a user runs it, with one gradient element forced to inf: the fp16
 overflow tests (tests/test_fp16_overflow_scripts.py, tests/gpu/test_gpu_parallel.py).
 
-    [torchrun ...] python tests/overflow_fault.py RECORD_DIR PARAM STEP MP_RANK SCRIPT [ARGS]
+    [torchrun ...] python tests/overflow_fault.py [--in_backward] RECORD_DIR PARAM STEP MP_RANK
+                                                  SCRIPT [ARGS]
 
 runs SCRIPT (train.py, train_mp.py, train_mp_graphs.py) with ARGS. At training step STEP
 (0-based), on the rank whose model-parallel rank is MP_RANK (and data-parallel rank 0), the
 first element of parameter PARAM's gradient becomes inf just before the optimizer step,
 i.e. after backward and the model-parallel gradient sums, where an fp16 overflow in that
-rank's own shard would show. Every rank appends one JSON line per optimizer step to
+rank's own shard would show. With --in_backward it becomes inf in backward instead, as the
+gradient of PARAM is computed (a tensor hook): before DDP's reduction over the data-parallel
+ranks, where an overflow really happens (an eager step only: a replayed CUDA graph runs no
+hook). Every rank appends one JSON line per optimizer step to
 RECORD_DIR/rank<world rank>.jsonl: the step, the loss scale after it, and how many updates
 Adam has applied (a skipped step applies none). The CUDA-graph step runs the optimizer step
 eagerly after the replay, so the fault reaches it the same way; its warm-up steps (before
@@ -25,6 +29,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    in_backward = sys.argv[1] == "--in_backward"
+    if in_backward:
+        del sys.argv[1]
     record_dir, param, at, mp_rank, script = sys.argv[1:6]
     sys.argv = [script, *sys.argv[6:]]
     sys.path.insert(0, str(REPO))
@@ -33,16 +40,37 @@ def main() -> None:
     from distributed import comm
     from training import step as step_module
 
-    inner = step_module.optimizer_step
+    inner, inner_backward = step_module.optimizer_step, step_module.forward_backward
+
+    def faulty_param(run) -> torch.nn.Parameter | None:  # noqa: ANN001
+        """PARAM on the faulty rank at step STEP, else None."""
+        faulty = comm.get_rank("mp") == int(mp_rank) and comm.get_rank("dp") == 0
+        if run.progress.iters != int(at) or not faulty:
+            return None
+        model = getattr(run.model, "_orig_mod", run.model)  # torch.compile
+        model = getattr(model, "module", model)  # DDP
+        return dict(model.named_parameters())[param]
+
+    def inf_first(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    def forward_backward(run, inp, tar):  # noqa: ANN001, ANN202
+        p = faulty_param(run) if in_backward else None
+        hook = p.register_hook(inf_first) if p is not None else None
+        try:
+            return inner_backward(run, inp, tar)
+        finally:
+            if hook is not None:
+                hook.remove()
 
     def optimizer_step(run, zero_grad: bool = True) -> None:  # noqa: ANN001
         iters = run.progress.iters
-        faulty = comm.get_rank("mp") == int(mp_rank) and comm.get_rank("dp") == 0
-        if iters == int(at) and faulty:
-            model = getattr(run.model, "_orig_mod", run.model)  # torch.compile
-            model = getattr(model, "module", model)  # DDP
+        p = None if in_backward else faulty_param(run)
+        if p is not None:
             with torch.no_grad():
-                dict(model.named_parameters())[param].grad.view(-1)[0] = float("inf")
+                p.grad.view(-1)[0] = float("inf")
         inner(run, zero_grad)
         updates = [float(s["step"]) for s in run.optimizer.state.values() if "step" in s]
         record = {"step": iters, "scale": run.scaler.get_scale(),
@@ -51,7 +79,8 @@ def main() -> None:
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    step_module.optimizer_step = optimizer_step  # before the script imports it by name
+    # before the script imports them by name
+    step_module.optimizer_step, step_module.forward_backward = optimizer_step, forward_backward
     runpy.run_path(script, run_name="__main__")
 
 

@@ -202,3 +202,17 @@ def test_cuda_bf16_keeps_reduced_precision_sdpa(monkeypatch: pytest.MonkeyPatch)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(torch.randn(1, 20, *TINY_IMG_SIZE, device="cuda"))
     assert all(d == (torch.bfloat16,) * 3 for d in seen["sdpa"]), seen["sdpa"]
+
+
+@pytest.mark.e2e
+def test_bench_era5_prepares_the_replica_and_times_both_stores(tmp_path: Path) -> None:
+    """bench.bench_era5 on replicas with two days of data a year: the preparation runs as
+    a user runs it and both stores are read batch by batch (no timing asserted)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_era5", "--dir", str(tmp_path),
+                           "--days", "2", "--batch_size", "4", "--batches", "1"], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "prepare_era5 (3 years, 24 samples" in out and "s CPU, peak memory" in out
+    assert "wrote 3 year file(s), 24 samples" in out
+    assert "batch 65 years" in out and "time per batch, 65-year store / 2-year store" in out

@@ -20,10 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_distributed, run_script
+from sharded import load_serial_state_dict
 
 from distributed import comm
 from distributed.helpers import compute_split_shapes
-from distributed.layers import DistributedAttention, TokenSplit, load_serial_state_dict
+from distributed.layers import DistributedAttention, TokenSplit
 from networks import kernels as precision
 from networks.vit import Attention
 

@@ -22,7 +22,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 3), (2, 2, 2), (4, 2, 1), (2, 3, 2), (1,
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("tp,cp,dp", LAYOUTS)
 def test_groups_partition_and_are_orthogonal(tp: int, cp: int, dp: int, order: str) -> None:
-    gen = RankGenerator(tp, cp, dp, order)
+    gen = RankGenerator({"tp": tp, "cp": cp, "dp": dp}, order)
     world = range(tp * cp * dp)
     for name, size in [("tp", tp), ("cp", cp), ("dp", dp), ("tp-cp", tp * cp)]:
         groups = gen.get_ranks(name)
@@ -39,14 +39,14 @@ def test_groups_partition_and_are_orthogonal(tp: int, cp: int, dp: int, order: s
 
 def test_documented_order() -> None:
     # default "tp-cp-dp": tp fastest, so tensor-parallel partners are adjacent ranks
-    gen = RankGenerator(2, 2, 2)
+    gen = RankGenerator({"tp": 2, "cp": 2, "dp": 2})
     assert gen.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert gen.get_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert gen.get_ranks("tp-cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert gen.coords(6) == {"tp": 0, "cp": 1, "h": 0, "w": 0, "dp": 1}
     # "dp-tp-cp": dp fastest, then tp, then cp
-    gen = RankGenerator(2, 2, 2, "dp-tp-cp")
+    gen = RankGenerator({"tp": 2, "cp": 2, "dp": 2}, "dp-tp-cp")
     assert gen.get_ranks("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert gen.get_ranks("tp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert gen.get_ranks("cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -54,11 +54,13 @@ def test_documented_order() -> None:
 
 def test_bad_layouts() -> None:
     with pytest.raises(ValueError, match="order"):
-        RankGenerator(1, 2, 1, "tp-dp")  # cp has size 2 but is not placed
+        RankGenerator({"cp": 2}, "tp-dp")  # cp has size 2 but is not placed
     with pytest.raises(ValueError, match="axis"):
-        RankGenerator(2, 1, 1, "tp-cp-xx")
+        RankGenerator({"tp": 2}, "tp-cp-xx")
     with pytest.raises(ValueError, match="positive"):
-        RankGenerator(0, 1, 1)
+        RankGenerator({"tp": 0})
+    with pytest.raises(ValueError, match="unknown axis pp"):
+        RankGenerator({"pp": 2})
 
 
 def test_without_torch_distributed() -> None:
@@ -67,13 +69,14 @@ def test_without_torch_distributed() -> None:
     for name in ("tp", "cp", "dp", "tp-cp"):
         assert (comm.get_size(name), comm.get_rank(name), comm.get_group(name)) == (1, 0, None)
     assert (comm.get_world_size(), comm.get_world_rank(), comm.is_distributed()) == (1, 0, False)
-    assert comm.get_local_rank() == 0
     comm.init(tp=1, cp=1)
     assert comm.get_size("tp-cp") == 1 and comm.get_group("dp") is None
     with pytest.raises(ValueError, match=r"world size 1 .* tp x cp x h x w = 2 x 1 x 1 x 1"):
         comm.init(tp=2, cp=1)
     with pytest.raises(KeyError, match="unknown process group"):
         comm.get_size("pp")
+    with pytest.raises(TypeError, match=r"sizes of pp; the model-parallel axes are \('tp'"):
+        comm.init(pp=2)
     comm.reset()
 
 
@@ -83,7 +86,7 @@ def _check_layouts(layouts: list[tuple[int, int, str]]) -> None:
     assert (comm.get_size("dp"), comm.get_rank("dp"), comm.get_size("tp-cp")) == (world, rank, 1)
     for tp, cp, order in layouts:
         comm.init(tp=tp, cp=cp, order=order)
-        gen = RankGenerator(tp, cp, world // (tp * cp), order)
+        gen = RankGenerator({"tp": tp, "cp": cp, "dp": world // (tp * cp)}, order)
         for name in ("tp", "cp", "dp", "tp-cp"):
             expected = gen.group_of(name, rank)
             assert comm.get_size(name) == len(expected) == gen.group_size(name)
@@ -160,11 +163,11 @@ def test_shutdown_leaves_no_communication_thread_to_outlive_the_interpreter() ->
 
 def test_spatial_mesh_groups() -> None:
     # tp=1 cp=1, h=2 x w=2 x dp=2 in the default order: h fastest, then w, then dp
-    gen = RankGenerator(1, 1, 2, h=2, w=2)
+    gen = RankGenerator({"h": 2, "w": 2, "dp": 2})
     assert gen.get_ranks("h") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert gen.get_ranks("w") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert gen.get_ranks("h-w") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert gen.get_ranks("tp-cp-h-w") == gen.get_ranks("h-w")
+    assert gen.get_ranks("tp-cp-h-w") == gen.get_ranks("h-w") == gen.get_ranks("mp")
     assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="order"):
-        RankGenerator(1, 1, 1, "tp-cp-dp", h=2)  # h has size 2 but is not placed
+        RankGenerator({"h": 2}, "tp-cp-dp")  # h has size 2 but is not placed

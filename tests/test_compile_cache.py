@@ -1,17 +1,19 @@
-"""torch.compile's cost is shown and paid once: a run logs its time to the first step and
-its compile time (and puts both in TensorBoard); Inductor's caches live under the log root,
-so a second job of the same config finds every graph there; validation compiles nothing."""
+"""torch.compile is decided in one place (training/compiling.py) and its cost is shown and
+paid once: a run logs its time to the first step and its compile time (and puts both in
+TensorBoard); Inductor's caches live under the log root, so a second job of the same config
+finds every graph there; validation compiles nothing."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
 
 import pytest
-from helpers import TINY_ITERS_PER_EPOCH, assert_completed
+from helpers import REPO, TINY_ITERS_PER_EPOCH, assert_completed
 
-from utils.compile_cache import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
+from training.compiling import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
 
 FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started; torch\.compile "
                         r"([\d.]+) s for (\d+) graphs \(compile cache (.+): (\d+) hits, "
@@ -83,3 +85,17 @@ def test_a_compile_cache_chosen_by_the_user_or_the_site_wins(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)  # a relative log root (the configs' `logs`) made absolute
     monkeypatch.delenv(CACHE_ENV)
     assert use_compile_cache("logs") == expected
+
+
+def test_only_training_compiling_calls_torch_compile():
+    """The project's code (benchmarks included: they time what training compiles) reaches
+    torch.compile through training/compiling.py only."""
+    callers = []
+    for path in sorted(REPO.rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in ("tests", ".venv", "datasets") or rel.parts[0].startswith("."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
+                callers.append(f"{rel}:{node.lineno}")
+    assert [c.split(":")[0] for c in callers] == ["training/compiling.py"], callers

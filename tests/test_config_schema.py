@@ -70,6 +70,9 @@ CASES = {
                                         ["duplicate key 'lr'", "{file}:", "first at line"]),
     "lr_schedule_key_misspelled": (TINY + "  lr_shedule: constant", [],
                                    ["unknown key lr_shedule", "did you mean 'lr_schedule'?"]),
+    "tutorial_wireup_key": (TINY + "  wireup_info: mpi", [],
+                            ["key wireup_info: 'mpi' in config 'bad' of {file} is no longer "
+                             "used", "found from the environment", "delete it"]),
     "lr_schedule_value_misspelled": (TINY + "  lr_schedule: cosin", [],
                                      ["lr_schedule: 'cosin'", "'cosine', 'constant'"]),
     "checkpoint_keep_flag_0": (TINY, ["--checkpoint_keep", "0"],
@@ -86,6 +89,12 @@ CASES = {
     "afno_with_tp": (TINY_AFNO, ["--tp", "2"],
                      ["model afno splits its grid over h_parallel_size x w_parallel_size",
                       "got tp 2, cp 1"]),
+    "fewer_outputs_than_inputs": (TINY + "  n_out_channels: 7", [],
+                                  ["config 'bad' of {file}: n_out_channels 7 differs from "
+                                   "n_in_channels 20", "each forecast is the next step's input"]),
+    "vit_mlp_width_not_divisible_by_tp": (TINY + "  mlp_ratio: 1.03125", ["--tp", "2"],
+                                          ["the MLP's 33 hidden units (embed_dim 32 x "
+                                           "mlp_ratio 1.03125) are not divisible by tp 2"]),
     "vit_with_a_spatial_mesh": (TINY, ["--h_parallel_size", "2"],
                                 ["h_parallel_size 2 x w_parallel_size 1 split the AFNO's grid",
                                  "model vit is split with tp and cp"]),

@@ -16,10 +16,17 @@ import pytest
 import torch
 from helpers import REPO, child_env
 
-from data.dali import DALIUnavailableError, get_data_loader_dali
+from data.dali import DALILoader, DALIUnavailableError, get_data_loader_dali
 from data.loader import get_data_loader
 from training.script_exit import run_main
 from utils.errors import EXIT_USER_ERROR
+
+
+def worker_pids(loader: DALILoader) -> list[int]:
+    """Process ids of a DALILoader's running source workers (none without workers): DALI
+    keeps its worker pool in a private attribute of the pipeline."""
+    pool = getattr(loader._pipe, "_py_pool", None)
+    return list(pool.pids()) if pool is not None else []
 
 ATOL = 1e-6
 
@@ -73,7 +80,7 @@ def test_same_batches_as_pytorch_loader(tiny_params, workers):
             n += 1
         assert n == 8
     # Clean shutdown: close() ends the source workers.
-    pids = loader.worker_pids
+    pids = worker_pids(loader)
     assert len(pids) == workers
     procs = [psutil.Process(p) for p in pids]
     loader.close()
@@ -167,7 +174,7 @@ def test_workers_exit_with_the_process(tiny_data):
         "loader, _, sampler = get_data_loader_dali(p, p.train_data_path, True, batch_size=4)\n"
         "sampler.set_epoch(1)\n"
         "next(iter(loader))  # leaves the epoch (and the workers' prefetching) unfinished\n"
-        "print(*loader.worker_pids)\n")
+        "print(*loader._pipe._py_pool.pids())  # the source workers (test's worker_pids)\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env=child_env({"DATA_DIR": str(tiny_data)}))
     assert proc.returncode == 0, proc.stderr

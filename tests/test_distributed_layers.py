@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from helpers import assert_close_rel, run_distributed
+from sharded import gather_full_grads, load_serial_state_dict
 
 from distributed import comm
 from distributed.helpers import annotation_errors, compute_split_shapes, sync_shared_gradients
@@ -22,8 +23,6 @@ from distributed.layers import (
     DistributedMLP,
     RowParallelLinear,
     TokenSplit,
-    gather_full_grads,
-    load_serial_state_dict,
 )
 from networks.vit import MLP, Attention
 

@@ -85,3 +85,18 @@ def test_one_error_line_per_job_from_the_first_failing_rank(tiny_data, tiny_para
     assert run.output.count("Traceback (most recent call last)") == 1, run.output[-4000:]
     assert "ChildFailedError" in run.output.split("Traceback (most recent call last)")[1]
     assert root_cause(run) == (printer, 2)
+
+
+def test_a_bad_inference_flag_in_a_2_rank_job_is_one_usage_and_one_error_line(tiny_data,
+                                                                             tmp_path):
+    """inference.py parses its flags as the train scripts do (utils.config.FlagParser, at
+    start-up): rank 0 prints argparse's usage and error, rank 1 nothing."""
+    run = run_script("inference.py", ["--lead_steps=many"], data_dir=tiny_data,
+                     log_dir=tmp_path / "logs", nproc=2, timeout=TIMEOUT)
+    assert run.returncode == 1, run.output[-3000:]  # torchrun: some worker failed
+    lines = run.output.splitlines()
+    assert sum(line.startswith("usage: inference.py") for line in lines) == 1, run.output
+    errors = [line for line in lines if "error:" in line]
+    assert errors == ["inference.py: error: argument --lead_steps: invalid int value: 'many'"], \
+        run.output[-3000:]
+    assert root_cause(run) == (0, 2)

@@ -45,8 +45,9 @@ def test_the_default_number_is_capped_by_what_the_split_holds(data):
 
 
 def test_a_rollout_longer_than_the_year_is_a_one_line_data_error(data):
-    with pytest.raises(DataError, match=r"24-step rollout needs 25 consecutive samples in one "
-                                        r"year file, the longest has 24; lower --lead_steps"):
+    with pytest.raises(DataError, match=r"24-step rollout needs 25 consecutive samples \(a "
+                                        r"year file, or consecutive years\), the longest run "
+                                        r"has 24; lower --lead_steps"):
         data.pick(None, 24)
 
 

@@ -243,7 +243,7 @@ def test_csv_and_json_hold_every_region_channel_and_lead(rollout_data, tmp_path)
     row = 1 + 2 * C * (L + 1) + 2 * (L + 1) + 3  # tropics, z500, lead 3
     region, name, variable, level, units, step, hours, *scores = rows[row].split(",")
     assert (region, name, variable, level, units, step, hours) == (
-        "tropics", "z500", "geopotential", "500", "m2/s2", "3", "18")
+        "tropics", "z500", "geopotential", "500", "m**2 s**-2", "3", "18")
     expected = [getattr(skill, m)[f, 2, 3, 2] for m in ("rmse", "acc") for f in range(4)]
     np.testing.assert_allclose([float(s) for s in scores], expected, rtol=1e-8)
     assert rows[1].split(",")[:4] == ["global", "u10", "10m_u_component_of_wind", ""]
@@ -270,7 +270,7 @@ def test_the_table_shows_the_first_step_then_every_day():
 
 def test_the_table_has_one_row_per_lead_with_the_units(rollout_data):
     lines = format_table(torch_skill(*rollout_data[1::-1], *rollout_data[2:]), "z500")
-    assert "[m2/s2]" in lines[0] and len(lines) == 2 + len(table_leads(L + 1))
+    assert "[m**2 s**-2]" in lines[0] and len(lines) == 2 + len(table_leads(L + 1))
     assert lines[2].startswith("| 6 h |")
 
 

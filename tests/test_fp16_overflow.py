@@ -7,9 +7,11 @@ the position embedding: an overflow there is seen by that rank alone. Without an
 that rank skips the step and halves its loss scale while the others step and keep theirs.
 
 Here an overflow is forced: at step FAULT_STEP a gradient hook sets one element of a sharded
-parameter's gradient to inf on model-parallel rank 1 only (and on data-parallel rank 0 only);
+parameter's gradient to inf on model-parallel rank 1 only (and on data-parallel rank 0 only),
+in backward, before DDP's reduction over dp spreads it to that shard's dp partner;
 the serial model gets an inf in the same parameter at the same step. The real step
-(`training.step.Step`), the layout's loss and loss scaler, and the model and optimizer that
+(`training.step.Step`), the config's loss with the layout's sums over tiles, the layout's
+loss scaler, and the model and optimizer that
 train_mp.py builds (`wrap_model`: DDP over dp; `build_optimizer`: Adam, or fused Adam, whose
 step finds the overflow another way) then train the tiny ViT (tp 2, and dp 2 x tp 2) and the
 tiny AFNO (h 2 x w 1) in fp16 autocast on the CPU, beside the serial model. After every step:
@@ -78,11 +80,12 @@ def _moved(before: list[torch.Tensor], model: torch.nn.Module) -> bool:
 def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list[dict]:
     """STEPS fp16 steps of the layout and of the serial model on every rank; what this rank
     saw at each step. `agree` False: one plain GradScaler per rank (the negative control)."""
+    from sharded import gather_full_state_dict
+
     import networks
     from distributed import comm
-    from distributed.layers import gather_full_state_dict
     from distributed.layout import Layout
-    from networks.loss import l2_loss
+    from networks.loss import build_loss
     from training.profiling import StepProfiler
     from training.run import build_optimizer, wrap_model
     from training.step import Step
@@ -95,7 +98,8 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
     cpu, fp16 = torch.device("cpu"), Precision("fp16", "cpu")
     layout = layout_of(cfg)
     serial_layout = Layout("serial", cfg.parallel_order, layout.env, cpu, None,
-                           Tile.whole(cfg.img_size), l2_loss)
+                           Tile.whole(cfg.img_size))
+    rows = torch.ones(cfg.img_size[0])  # latitude weights: unused by the relative L2
     clock = [0]
     faulty_rank = comm.get_rank("mp") == FAULT_RANK and comm.get_rank("dp") == 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,12 +109,15 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
         if faulty_rank:
             _poison(dict(model.named_parameters())[name], clock)
         par = SimpleNamespace(ctx=SimpleNamespace(precision=fp16), layout=layout,
+                              loss=build_loss(cfg.loss, rows[layout.tile.rows],
+                                              layout.sum_over_grid),
                               model=wrap_model(model, cfg, cpu),  # DDP over dp
                               optimizer=build_optimizer(cfg, model), prof=prof,
                               scaler=layout.grad_scaler(fp16) if agree else fp16.grad_scaler())
         serial = networks.build_model(cfg)
         _poison(dict(serial.named_parameters())[name], clock)
         ser = SimpleNamespace(ctx=par.ctx, layout=serial_layout, model=serial,
+                              loss=build_loss(cfg.loss, rows),
                               optimizer=build_optimizer(cfg, serial), prof=prof,
                               scaler=serial_layout.grad_scaler(fp16))
         dp, dp_rank = comm.get_size("dp"), comm.get_rank("dp")
@@ -147,8 +154,9 @@ def _table(ranks: list[list[dict]]) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout, fused", [("tp2", False), ("tp2", True), ("dp2xtp2", False),
-                                           ("h2xw1", False), ("h2xw1", True)],
-                         ids=["tp2", "tp2-fused_adam", "dp2xtp2", "h2xw1", "h2xw1-fused_adam"])
+                                           ("dp2xtp2", True), ("h2xw1", False), ("h2xw1", True)],
+                         ids=["tp2", "tp2-fused_adam", "dp2xtp2", "dp2xtp2-fused_adam", "h2xw1",
+                              "h2xw1-fused_adam"])
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank_like_serial(layout, fused):
     config, sizes, world = LAYOUTS[layout]
     ranks = run_distributed(_train, world, config, sizes, fused, True, timeout=240)

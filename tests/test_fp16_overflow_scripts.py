@@ -1,6 +1,7 @@
 """fp16 with an overflow on one model-parallel rank, end to end: train_mp_graphs.py on this
 CPU (its fallback: train_mp.py's eager step) with --tp 2 (ViT) and --h_parallel_size 2 (AFNO,
-h 2 x w 1) trains like train.py with the same fault.
+h 2 x w 1) trains like train.py with the same fault; and on dp 2 x tp 2 (4 ranks) with fused
+Adam, the overflow forced in backward on one rank, before DDP's reduction over dp.
 
 The runs train the tiny model for one epoch (8 steps) in fp16 autocast with loss scaling. At
 step FAULT_STEP, tests/overflow_fault.py sets one element of a sharded parameter's gradient to
@@ -16,8 +17,9 @@ EPYC with AVX-512 (fp16 emulated): parameters <= 0.3 % (tp 2) and <= 0.7 % (h 2)
 losses equal to the last printed digit. Before the agreement (one GradScaler per rank) rank
 0 never skipped, the scales parted (65536 vs 32768), the logged train losses differed from
 the third decimal (tp 2: 0.969184 vs 0.972478; h 2: 0.973350 vs 0.975104) and the parameters
-ended up to 21 % (tp 2) and 24 % (h 2) of a tensor's norm from the serial run's. About a
-minute for the file (4 runs, tiny shapes).
+ended up to 21 % (tp 2) and 24 % (h 2) of a tensor's norm from the serial run's; on dp 2 x
+tp 2 the two ranks of tp rank 0 never skipped. Two runs per layout, tiny shapes: well under
+a minute each on an idle machine.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ GRAPHS_MESSAGE = "CUDA graphs need a GPU"
 
 
 def faulty_run(tmp_path_factory, data, param: str, script: str, mp_rank: int, *flags: str,
-               nproc: int | None = None):
-    """`script` with the fault in `param` on model-parallel rank `mp_rank`: (run, records
-    by rank)."""
+               nproc: int | None = None, in_backward: bool = False):
+    """`script` with the fault in `param` on model-parallel rank `mp_rank` (in backward, or
+    just before the optimizer step): (run, records by rank)."""
     records = tmp_path_factory.mktemp("records")
+    where = ["--in_backward"] if in_backward else []
     run = run_script(REPO / "tests" / "overflow_fault.py",
-                     [records, param, FAULT_STEP, mp_rank, script, *FLAGS, *flags],
+                     [*where, records, param, FAULT_STEP, mp_rank, script, *FLAGS, *flags],
                      data_dir=data, log_dir=tmp_path_factory.mktemp("logs"), nproc=nproc,
                      timeout=240)
     assert_completed(run, ITERS)
@@ -79,3 +82,32 @@ def test_graphs_script_on_cpu_skips_one_ranks_overflow_on_every_rank_like_train_
         err = ((a[name].float() - want_t.float()).norm() / want_t.float().norm()).item()
         assert err <= PARAM_RTOL, f"{name}: {err:.2%} from the serial run's"
 
+
+
+@pytest.mark.e2e
+def test_dp2_tp2_fused_adam_skips_an_overflow_before_the_dp_reduction_on_every_rank(
+        tiny_data, tmp_path_factory):
+    """4 ranks, dp 2 x tp 2, fused Adam (whose step takes the overflow flag without
+    unscale_): the inf enters one shard's gradient on one rank in backward; DDP spreads it to
+    that shard's dp partner, the agreement over "mp" to their tp partners. Every rank skips
+    that step, and only that one, as train.py does with the same fault."""
+    param, flags = "blocks.0.mlp.fc1.weight", ("--config=tiny", "--enable_fused")
+    serial, serial_records = faulty_run(tmp_path_factory, tiny_data, param, "train.py", 0,
+                                        *flags, in_backward=True)
+    graphs, records = faulty_run(tmp_path_factory, tiny_data, param, "train_mp_graphs.py", 1,
+                                 *flags, "--tp=2", nproc=4, in_backward=True)
+    assert GRAPHS_MESSAGE in graphs.output and "Layout: DP = 2, TP = 2," in graphs.stdout
+    assert sorted(records) == [0, 1, 2, 3]
+    assert skipped(serial_records[0]) == [FAULT_STEP], serial_records
+    want_scales = [serial_records[0][s]["scale"] for s in range(ITERS)]
+    for rank, mine in records.items():
+        assert skipped(mine) == [FAULT_STEP], f"rank {rank}: {mine}"
+        assert [mine[s]["scale"] for s in range(ITERS)] == want_scales, (rank, mine)
+    got, want = losses(graphs), losses(serial)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
+    a = final_checkpoint(graphs.exp_dir("tiny", 4), ITERS)["model"]
+    b = final_checkpoint(serial.exp_dir("tiny", 1), ITERS)["model"]
+    for name, want_t in b.items():
+        err = ((a[name].float() - want_t.float()).norm() / want_t.float().norm()).item()
+        assert err <= PARAM_RTOL, f"{name}: {err:.2%} from the serial run's"

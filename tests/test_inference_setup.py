@@ -4,14 +4,17 @@ one-line errors for everything a user can get wrong. In-process, on a real check
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 from helpers import layout_of
 
 import inference
+from evaluation.inference_flags import parse_flags
 from networks.vit import vit_from_params
 from training.checkpoint import Checkpointer, read_checkpoint
 from training.progress import Progress
@@ -35,7 +38,7 @@ def run_dir(tiny_params, tiny_data, tmp_path, monkeypatch):
 
 
 def args(*flags: str):
-    return inference.build_parser().parse_args(list(flags))
+    return parse_flags(flags)
 
 
 def test_the_configs_run_is_found_under_log_dir(run_dir):
@@ -144,10 +147,21 @@ def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):
 def test_bad_flags_are_one_line_errors_before_any_process_starts(run_dir, flags, error,
                                                                  message):
     with pytest.raises(error, match=message):
-        inference.main([f"--run_dir={run_dir}", *flags])
+        inference.main(args(f"--run_dir={run_dir}", *flags))
 
 
 def test_missing_test_data_names_the_directory(run_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DATA_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(DataError, match=f"data directory {tmp_path}/nowhere/test does not"):
-        inference.main([f"--run_dir={run_dir}"])
+        inference.main(args(f"--run_dir={run_dir}"))
+
+
+def test_importing_inference_leaves_the_environment_alone(monkeypatch):
+    """The OpenMP policy is set by the script's start-up (training/startup.py), not by an
+    import: with 4 threads on this machine's cores it would set OMP_WAIT_POLICY."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delitem(sys.modules, "inference")
+    importlib.import_module("inference")
+    assert "OMP_WAIT_POLICY" not in os.environ

@@ -10,7 +10,7 @@ from helpers import run_distributed
 
 from distributed import comm
 from distributed import mappings as m
-from distributed.helpers import compute_split_shapes, split_tensor_along_dim
+from distributed.helpers import compute_split_shapes
 
 # (shape, dim): the split dim has uneven lengths for 2, 3 and 4 ranks in most cases
 CASES = [((2, 7, 3), 1), ((3, 2, 5), -1), ((7, 4), 0), ((2, 8, 3), 1)]
@@ -27,9 +27,6 @@ def test_compute_split_shapes() -> None:
             assert sum(s) == size and max(s) - min(s) <= 1 and s == sorted(s, reverse=True)
     with pytest.raises(ValueError, match="cannot split 3 elements into 4"):
         compute_split_shapes(3, 4)
-    parts = split_tensor_along_dim(torch.arange(14).view(2, 7), 1, 2)
-    assert [p.shape[1] for p in parts] == [4, 3] and torch.equal(torch.cat(parts, 1)[0],
-                                                                  torch.arange(7))
 
 
 def test_size_one_groups_are_identity() -> None:

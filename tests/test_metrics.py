@@ -1,6 +1,6 @@
-"""evaluation/scores.py and evaluation/regions.py against direct float64 numpy
-implementations, and the latitude weights of every grid the test suite uses against
-WeatherBench-2's formula.
+"""evaluation/scores.py, evaluation/regions.py and the losses (networks/loss.py) against
+direct float64 numpy implementations, and the latitude weights of every grid the test suite
+uses against WeatherBench-2's formula.
 
 The torch code computes in float32; on O(1) random data its results agree with the float64
 references to rtol 1e-5 / atol 1e-6 (float32 has ~7 significant digits; the sums here have
@@ -12,17 +12,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_IMG_SIZE, lat_weights
+from helpers import TINY_IMG_SIZE, lat_weights, weighted_rmse_channels
 
 from data.grid import Grid, crop_to, tutorial_grid
 from data.synthetic import grid_of
 from evaluation.regions import REGIONS, cell_areas, latitude_weights, region_weights
 from evaluation.scores import (
-    l2_loss,
     weighted_acc_channels,
     weighted_mse_channels,
-    weighted_rmse_channels,
 )
+from networks.loss import LOSSES, build_loss, l2_loss
+from utils.config_schema import Config, expected
 
 RTOL, ATOL = 1e-5, 1e-6
 B, C, H, W = 3, 4, 17, 24  # odd H: a row on the equator
@@ -169,6 +169,35 @@ def test_l2_loss_of_low_precision_inputs_is_computed_in_fp32(data):
     got = l2_loss(t(pred).bfloat16(), t(tar).bfloat16())
     assert got.dtype == torch.float32
     assert got.item() == pytest.approx(np_l2(pred, tar), rel=2e-2)  # bf16 rounding of inputs
+
+
+def test_the_latitude_weighted_mse_loss_is_the_mean_of_the_weighted_mse_score(data):
+    pred, tar, _ = data
+    loss = build_loss("weighted_mse", weights())
+    got = loss(t(pred), t(tar))
+    assert got.shape == () and got.dtype == torch.float32
+    w = latitude_weights(GRID)
+    assert got.item() == pytest.approx(np_mse(pred, tar, w).mean(), rel=RTOL, abs=ATOL)
+    assert got.item() == pytest.approx(weighted_mse_channels(t(pred), t(tar), weights())
+                                       .mean().item(), rel=RTOL)
+    # bf16 predictions (autocast): computed in fp32, gradient back in the prediction's dtype
+    low = t(pred).bfloat16().requires_grad_()
+    value = loss(low, t(tar))
+    assert value.dtype == torch.float32
+    value.backward()
+    assert low.grad.dtype == torch.bfloat16
+    # d/d pred of mean(w (pred - tar)^2) = 2 w (pred - tar) / N
+    exact = 2 * w[:, None] * (low.detach().double().numpy() - tar) / pred.size
+    np.testing.assert_allclose(low.grad.double().numpy(), exact, rtol=1e-2, atol=1e-7)
+
+
+def test_every_loss_the_config_offers_is_built_and_the_default_is_the_tutorials():
+    names = expected("loss")
+    assert names == "one of " + ", ".join(repr(n) for n in LOSSES), (names, list(LOSSES))
+    assert Config.model_fields["loss"].default == "relative_l2"
+    pred, tar = torch.randn(2, 3, H, W), torch.randn(2, 3, H, W)
+    assert build_loss("relative_l2", weights())(pred, tar).item() == \
+        pytest.approx(l2_loss(pred, tar).item())
 
 
 def test_weighted_mse_and_rmse_match_numpy(data):

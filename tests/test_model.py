@@ -8,6 +8,7 @@ from helpers import CONFIG_FILE
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from networks import build_model, training_flops
 from networks.vit import (
     VisionTransformer,
     count_parameters,
@@ -95,6 +96,27 @@ def test_training_flops_are_three_times_torchs_forward_flop_count(img, patch, em
         model(torch.randn(1, 20, *img))
     assert training_flops_per_sample(img, patch, 20, 20, embed, depth) == \
         3 * counter.get_total_flops()
+
+
+def test_the_configs_mlp_ratio_sizes_the_vit_and_its_flop_count_alike():
+    """A ViT config's mlp_ratio is the model's: its MLP width, its parameter count and the
+    FLOPs reported for MFU (3x torch's count of the built model's forward) all follow it."""
+    tiny = read_config(CONFIG_FILE, "tiny", environ={})
+    tokens = (tiny.img_size[0] // tiny.patch_size) * (tiny.img_size[1] // tiny.patch_size)
+    sizes = set()
+    for ratio in (2.0, 4.0):
+        cfg = tiny.replace(mlp_ratio=ratio)
+        model = build_model(cfg).eval()
+        assert {b.mlp.fc1.out_features for b in model.blocks} == {int(cfg.embed_dim * ratio)}
+        sizes.add(n_params(model))
+        assert n_params(model) == count_parameters(cfg.embed_dim, cfg.depth, cfg.patch_size,
+                                                   cfg.n_in_channels, cfg.n_out_channels,
+                                                   tokens, ratio)
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+            model(torch.randn(1, cfg.n_in_channels, *cfg.img_size))
+        assert training_flops(cfg) == 3 * counter.get_total_flops()
+    assert len(sizes) == 2  # another ratio, another model (and checkpoints that do not fit)
 
 
 def test_model_is_deterministic_given_the_seed():

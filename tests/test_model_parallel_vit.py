@@ -22,15 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
+from sharded import gather_full_state_dict, load_serial_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import comm
 from distributed.helpers import annotation_errors, sync_shared_gradients
-from distributed.layers import (
-    DistributedLayers,
-    gather_full_state_dict,
-    load_serial_state_dict,
-)
+from distributed.layers import DistributedLayers
 from networks.vit import VisionTransformer, vit_from_params
 from utils.config import read_config
 
@@ -79,9 +76,9 @@ def test_matches_serial(tp: int, cp: int, world: int) -> None:
 def _annotations() -> None:
     comm.init(tp=2, cp=2)
     torch.manual_seed(0)
-    serial = VisionTransformer(img_size=(16, 32), **TINY)
+    serial = VisionTransformer(img_size=(16, 32), **{**TINY, "out_chans": 3})
     cfg = read_config(CONFIG_FILE, "tiny", environ={}).replace(
-        n_in_channels=3, n_out_channels=2, tp=2, cp=2)
+        n_in_channels=3, n_out_channels=3, tp=2, cp=2)  # a config forecasts what it reads
     model = vit_from_params(cfg, layers=layout_of(cfg).layers)  # what train_mp.py builds
     # every parameter is annotated: sharded over some groups, replicated over the others
     assert annotation_errors(model) == []

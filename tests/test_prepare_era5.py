@@ -15,7 +15,7 @@ import re
 import h5py
 import numpy as np
 import pytest
-from era5_stores import cds_netcdf, grid, known, wb2_zarr
+from era5_stores import arco_zarr, cds_netcdf, grid, known, wb2_zarr
 
 from data import prepare_era5
 from data.climatology import basis
@@ -39,11 +39,25 @@ def expected(hours, lat, lon) -> np.ndarray:
     return np.stack([known(name, hours, lat, lon) for name in CHANNEL_NAMES], axis=1)
 
 
+HUMIDITY = [CHANNEL_NAMES.index(n) for n in ("r500", "r850")]
+OTHERS = [c for c in range(len(CHANNEL_NAMES)) if c not in HUMIDITY]
+
+
+def assert_known(fields, hours, lat, lon, humidity_rtol: float = 0.0) -> None:
+    """Every channel is its known field: bit for bit, but relative humidity (in percent)
+    within `humidity_rtol` where the source holds it otherwise (a fraction: x 100 rounds
+    in float32; specific humidity: derived)."""
+    want = expected(hours, lat, lon)
+    np.testing.assert_array_equal(fields[:, OTHERS], want[:, OTHERS])
+    np.testing.assert_allclose(fields[:, HUMIDITY], want[:, HUMIDITY], rtol=humidity_rtol,
+                               atol=0)
+
+
 @pytest.fixture(scope="module")
 def arco(tmp_path_factory):
-    """ARCO-ERA5 style: hourly, latitude 90 .. -90 (7 rows, both poles), 12 columns."""
-    return wb2_zarr(tmp_path_factory.mktemp("arco") / "era5.zarr", [2016, 2017],
-                    step_hours=1, days=3)
+    """ARCO-ERA5 style: hourly, latitude 90 .. -90 (7 rows, both poles), 12 columns,
+    specific humidity instead of relative humidity."""
+    return arco_zarr(tmp_path_factory.mktemp("arco") / "era5.zarr", [2016, 2017], days=3)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +75,7 @@ def test_every_value_lands_in_its_channel_row_column_and_sample(prepared):
     np.testing.assert_array_equal(lon, np.arange(12) * 30.0)
     start = (np.datetime64("2016-01-01T00", "h") - np.datetime64("1970-01-01T00", "h"))
     np.testing.assert_array_equal(hours, start.astype(int) + 6 * np.arange(9))  # hourly -> 6 h
-    np.testing.assert_array_equal(fields, expected(hours, lat, lon))
+    assert_known(fields, hours, lat, lon, humidity_rtol=1e-5)  # derived from q, T and p
     assert fields[5, CHANNEL_NAMES.index("z500"), 2, 7] == known("z500", hours[5:6], [30.0],
                                                                  [210.0])[0, 0, 0]
     assert list(attrs["channel_names"]) == list(CHANNEL_NAMES) and attrs["dt_hours"] == 6
@@ -72,9 +86,9 @@ def test_every_value_lands_in_its_channel_row_column_and_sample(prepared):
 
 
 def test_ascending_latitudes_without_poles_are_flipped_and_coarsened(tmp_path):
-    """WeatherBench-2's coarse equiangular grids: ascending, no poles, 6-hourly."""
-    source = wb2_zarr(tmp_path / "wb2.zarr", [2018], rows=6, cols=12, days=2,
-                      ascending=True, poles=False)
+    """WeatherBench-2's coarse equiangular grids: ascending, no poles, longitude before
+    latitude, 6-hourly."""
+    source = wb2_zarr(tmp_path / "wb2.zarr", [2018], rows=6, cols=12, days=2, coarse=True)
     prepare(source, tmp_path / "out", "--train_years", "2018", "--coarsen", "2",
             "--max_samples", "8")
     fields, lat, lon, hours, _ = read(tmp_path / "out" / "train" / "2018.h5")
@@ -82,7 +96,7 @@ def test_ascending_latitudes_without_poles_are_flipped_and_coarsened(tmp_path):
     src_lat, src_lon = grid(6, 12, ascending=True, poles=False)
     north_first = expected(hours, src_lat[::-1], src_lon)
     blocks = north_first.reshape(8, 20, 3, 2, 6, 2).astype(np.float64).mean(axis=(3, 5))
-    np.testing.assert_allclose(fields, blocks, rtol=1e-6)
+    np.testing.assert_allclose(fields, blocks, rtol=1e-6)  # the humidity: a fraction x 100
     np.testing.assert_allclose(lat, [60, 0, -60])
     np.testing.assert_allclose(lon, np.arange(6) * 60 + 15)
 
@@ -92,7 +106,7 @@ def test_cds_netcdf_files_with_new_and_old_names(tmp_path, new_names):
     source = cds_netcdf(tmp_path / "cds", [2017], rows=3, cols=4, new_names=new_names)
     prepare(source, tmp_path / "out", "--train_years", "2017", "--max_samples", "6")
     fields, lat, lon, hours, _ = read(tmp_path / "out" / "train" / "2017.h5")
-    np.testing.assert_array_equal(fields, expected(hours, lat, lon))
+    assert_known(fields, hours, lat, lon)  # the CDS `r` is in percent: bit for bit
     np.testing.assert_array_equal(lat, [90, 0, -90])
 
 
@@ -150,12 +164,15 @@ def test_the_climatology_is_the_least_squares_fit_over_the_training_years(tmp_pa
 @pytest.mark.parametrize("kind, message", [
     ("channel", "lacks channel tcwv .total_column_water_vapour.: no variable "
                 "'total_column_water_vapour' or 'tcwv'"),
-    ("level", "lacks channel z50 .geopotential at 50 hPa.: 'geopotential' has levels 500, "
-              "850, 1000"),
-    ("gap", "has a gap in time in 2016: no u10 at 2016-01-02T12 .and 1 more."),
-    ("year", "has no u10 in 2018 .it covers 2016-01-01 to 2016-01-03."),
-    ("end", "has u10 from 2016-01-01T00 to 2016-01-03T18: 1452 of the 1464 6-hourly times "
-            "of 2016 are outside it .--max_samples N prepares only the first N of a year."),
+    ("level", "lacks channel z50 .geopotential at 50 hPa.: 'geopotential' has levels 100, "
+              "500, 700, 850, 925, 1000"),
+    ("gap", "has a gap in time in 2016: no 10m_u_component_of_wind .u10. at 2016-01-02T12 "
+            ".and 1 more."),
+    ("year", "has no 10m_u_component_of_wind .u10. in 2018 .it covers 2016-01-01 to "
+             "2016-01-03."),
+    ("end", "has 10m_u_component_of_wind .u10. from 2016-01-01T00 to 2016-01-03T18: 1452 of "
+            "the 1464 6-hourly times of 2016 are outside it .--max_samples N prepares only "
+            "the first N of a year."),
 ])
 def test_a_source_that_cannot_make_the_layout_is_refused_with_one_line(tmp_path, kind,
                                                                         message):

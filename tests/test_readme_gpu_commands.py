@@ -5,6 +5,7 @@ node). One GPU holds local batch x tokens per cp rank / tp of the activations; e
 `submit_pm_mp.sh` command in README.md, site/README.md and docs/*.md must stay at or below that
 reference.
 `mp` on one node (dp 1: all 64 samples on every GPU) is four times over it.
+The GPU self-test's sbatch line is the same wherever the docs give it.
 """
 
 from __future__ import annotations
@@ -74,3 +75,23 @@ def test_the_old_one_node_graphs_command_is_what_this_catches():
     load, _ = per_gpu_load("sbatch --nodes 1 submit_pm_mp.sh --config=mp --tp=4")
     assert load == 4 * REFERENCE_LOAD
     assert re.search(r"--config=mp_bs16 --tp=4", (REPO / "README.md").read_text())
+
+
+def test_every_self_test_sbatch_line_is_the_one_docs_gpu_self_test_explains():
+    """The GPU self-test's sbatch line is one line wherever it is given: its single task
+    gets the node's CPUs (`-c`), and its time limit is twice the suite's estimate."""
+    docs = ["README.md", "site/README.md",
+            *(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")))]
+    lines = {(doc, " ".join(line.split("#", 1)[0].split()))
+             for doc in docs for line in (REPO / doc).read_text().splitlines()
+             if line.strip().startswith("sbatch") and "make test-gpu" in line}
+    assert {doc for doc, _ in lines} >= {"README.md", "docs/gpu_first_run.md",
+                                         "docs/gpu_self_test.md"}
+    assert len({line for _, line in lines}) == 1, "\n".join(sorted(map(str, lines)))
+    words = shlex.split(next(iter(lines))[1])
+    srun = shlex.split(words[words.index("--wrap") + 1])
+    assert "-c" in srun or any(w.startswith("--cpus-per-task") for w in srun), srun
+    estimate = re.search(r"\*\*the whole self-test, one node\*\* \| \d+ \| \*\*~(\d+) min\*\*",
+                         (REPO / "docs/gpu_self_test.md").read_text())
+    assert estimate, "docs/gpu_self_test.md states no estimate for the whole self-test"
+    assert int(words[words.index("-t") + 1]) >= 2 * int(estimate[1])

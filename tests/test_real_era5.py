@@ -1,7 +1,9 @@
 """From a WeatherBench-2-layout Zarr store to scores and forecasts, as a user runs it:
 prepare_era5 on the command line (parallel workers, then SLURM-style array tasks), train.py
 for a few iterations on the prepared data, inference.py with regional scores, the seasonal
-climatology and --save_forecasts, and the forecast store read back with xarray.
+climatology, --save_forecasts and --save_truth (the two stores pass WeatherBench-2's rule and
+give skill.csv's numbers again), and with --climatology (WeatherBench-2's climatology
+store as ACC's reference and the climatology baseline).
 
 The store is made here (tests/era5_stores.py): three years (2016, a leap year, to 2018),
 6-hourly, the first 12 days of each, on an 11.25 degree grid with both poles (17 x 32)
@@ -17,8 +19,8 @@ import sys
 
 import numpy as np
 import pytest
-from era5_stores import wb2_zarr
-from helpers import REPO, child_env, run_script
+from era5_stores import clim_known, grid, wb2_climatology, wb2_rule, wb2_zarr
+from helpers import REPO, child_env, lat_weights, run_script
 
 YEARS = ["--train_years", "2016", "--valid_years", "2017", "--test_years", "2018"]
 REGIONS = ["global", "northern-hemisphere", "tropics", "southern-hemisphere"]
@@ -49,8 +51,9 @@ def prepared(store, tmp_path_factory):
 @pytest.mark.e2e
 def test_prepared_with_workers_progress_and_a_summary(prepared):
     out, run = prepared
-    assert "prepared 144/144 samples (100%)" in run.stderr and "samples/s" in run.stderr
-    assert "ETA" in run.stderr and "MB/s" in run.stderr
+    last = [line for line in run.stderr.splitlines() if line.startswith("prepared")][-1]
+    assert "100%" in last and "144/144" in last and "samples/s" in last  # tqdm, a line each
+    assert "MB/s written" in last
     assert "wrote 3 year file(s), 144 samples" in run.stdout and "peak memory" in run.stdout
     for split, year in (("train", 2016), ("valid", 2017), ("test", 2018)):
         assert (out / split / f"{year}.h5").is_file()
@@ -75,6 +78,15 @@ def test_array_tasks_then_a_merge_make_the_same_files(store, prepared, tmp_path)
         "error: --task 3: there are 3 years (0 .. 2)"
 
 
+@pytest.mark.e2e
+def test_the_old_command_runs_the_preparation(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "utils.data.prepare_era5", str(tmp_path / "x"),
+                          str(tmp_path / "out"), "--train_years", "2016"], cwd=REPO,
+                         env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 2 and run.stderr.strip() == \
+        f"error: source {tmp_path / 'x'} does not exist"
+
+
 @pytest.fixture(scope="module")
 def evaluated(prepared, tmp_path_factory):
     out, _ = prepared
@@ -85,7 +97,8 @@ def evaluated(prepared, tmp_path_factory):
     zarr = logs / "forecasts.zarr"
     result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
                                          "--n_initial_conditions=5", "--batch_size=5",
-                                         f"--save_forecasts={zarr}"],
+                                         f"--save_forecasts={zarr}",
+                                         f"--save_truth={logs / 'truth.zarr'}"],
                         data_dir=out, log_dir=logs, timeout=TIMEOUT)
     assert result.returncode == 0, result.output[-3000:]
     forecast = train.exp_dir("tiny") / "forecast"
@@ -124,5 +137,81 @@ def test_forecasts_are_readable_by_xarray_with_the_right_coordinates(evaluated, 
     np.testing.assert_allclose(ds.latitude.values, np.load(out / "stats" / "latitude.npy")[::-1])
     np.testing.assert_allclose(ds.longitude.values, 11.25 * np.arange(32))
     assert ds["geopotential"].attrs["units"] == "m**2 s**-2"
+    humidity = ds["relative_humidity"].sel(level=500, prediction_timedelta=np.timedelta64(0, "h"))
+    assert humidity.attrs["units"] == "1" and 0 < float(humidity.mean()) < 1  # as WB2's
     lead = ds["2m_temperature"].sel(prediction_timedelta=np.timedelta64(0, "h")).values
     assert np.isfinite(lead).all() and 100 < float(np.mean(lead)) < 1000
+
+
+def _skill_csv(path, column: str) -> dict[tuple[str, str, int], float]:
+    rows = [r.split(",") for r in path.read_text().splitlines()]
+    k = rows[0].index(column)
+    return {(r[0], r[1], int(r[5])): float(r[k]) for r in rows[1:]}
+
+
+@pytest.mark.e2e
+def test_the_forecast_and_truth_stores_pass_weatherbench2s_rule_and_give_our_scores(
+        evaluated):
+    """--crop_rows 16 made a grid the public store does not have: against the truth store
+    --save_truth wrote, WeatherBench-2's rule holds, and its MSE (its latitude weights, the
+    mean over initial times) is skill.csv's RMSE squared, at every lead."""
+    import xarray as xr
+
+    result, forecast_dir, zarr = evaluated
+    forecast, truth = wb2_rule(xr.open_zarr(zarr), xr.open_zarr(zarr.parent / "truth.zarr"))
+    valid = np.unique(forecast.time.values[:, None] + forecast.prediction_timedelta.values)
+    np.testing.assert_array_equal(truth.time.values, valid)  # every valid time, no other
+    assert f"Wrote the truth at {len(valid)} valid times" in result.stdout
+    weights = np.array(lat_weights(list(truth.latitude.values)))[:, None]
+    rmse = _skill_csv(forecast_dir / "skill.csv", "rmse_model")
+    for k, lead in enumerate(forecast.prediction_timedelta.values):
+        f = forecast["geopotential"].sel(level=500).isel(prediction_timedelta=k)
+        t = truth["geopotential"].sel(level=500, time=f.time + lead)
+        mse = (weights * (f.values - t.values) ** 2).mean(axis=(1, 2)).mean()
+        assert np.sqrt(mse) == pytest.approx(rmse[("global", "z500", k)], rel=1e-4), k
+
+
+@pytest.fixture(scope="module")
+def with_wb2_climatology(prepared, evaluated, tmp_path_factory):
+    """inference.py --climatology on a store in WeatherBench-2's layout on the source's
+    17-row grid (the data is its first 16 rows)."""
+    out, _ = prepared
+    lat, lon = grid(17, 32)
+    store = wb2_climatology(tmp_path_factory.mktemp("clim") / "clim.zarr", lat, lon)
+    logs = evaluated[2].parent  # LOG_DIR of the trained run
+    result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
+                                         "--n_initial_conditions=5", "--batch_size=5",
+                                         f"--climatology={store}",
+                                         f"--out={logs / 'with_clim'}"],
+                        data_dir=out, log_dir=logs, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    return result, logs / "with_clim"
+
+
+@pytest.mark.e2e
+def test_weatherbench2s_climatology_store_is_the_climatology_baseline(with_wb2_climatology,
+                                                                       evaluated):
+    """The climatology baseline's RMSE is that of the store's entries at each valid time's
+    day of year and hour against the truth store; ACC is measured against them."""
+    import xarray as xr
+
+    result, out = with_wb2_climatology
+    skill = json.loads((out / "skill.json").read_text())
+    assert skill["climatology"].startswith("WeatherBench-2 climatology store")
+    assert "(day of year x hour)" in result.stdout
+    truth = xr.open_zarr(evaluated[2].parent / "truth.zarr").sortby("latitude", ascending=False)
+    lat, lon = truth.latitude.values, truth.longitude.values
+    weights = np.array(lat_weights(list(lat)))[:, None]
+    initial = xr.open_zarr(evaluated[2]).time.values  # the same initial times
+    rmse = _skill_csv(out / "skill.csv", "rmse_climatology")
+    for k in range(5):
+        valid = initial + np.timedelta64(6 * k, "h")
+        day = (valid.astype("datetime64[D]") - valid.astype("datetime64[Y]")).astype(int) + 1
+        hour = (valid.astype("datetime64[h]").astype(int) % 24)
+        clim = clim_known("t2m", day, hour, lat, lon).astype(np.float64)
+        t = truth["2m_temperature"].sel(time=valid).values
+        mse = (weights * (clim - t) ** 2).mean(axis=(1, 2)).mean()
+        assert np.sqrt(mse) == pytest.approx(rmse[("global", "t2m", k)], rel=1e-4), k
+    acc = skill["channels"]["t2m"]["acc"]["model"]
+    assert all(np.isfinite(acc)) and acc != json.loads(
+        (evaluated[1] / "skill.json").read_text())["channels"]["t2m"]["acc"]["model"]

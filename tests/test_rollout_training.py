@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from data.dataset import ERA5Dataset
-from networks.loss import l2_loss
+from networks.loss import RelativeL2Loss, l2_loss
 from networks.vit import VisionTransformer
 from training.profiling import StepProfiler
 from training.step import Step, rollout_loss
@@ -46,12 +46,12 @@ def tiny_model(seed: int = 0) -> VisionTransformer:
 
 
 def step_run(model: torch.nn.Module, tmp_path) -> SimpleNamespace:
-    """The parts of a Training that the step uses: fp32, a serial layout, Adam, no loss
-    scaling."""
+    """The parts of a Training that the step uses: fp32, a serial layout, the relative L2
+    loss, Adam, no loss scaling."""
     cpu = torch.device("cpu")
-    layout = layout_of(read_config(CONFIG_FILE, "tiny", environ={}))  # serial: the l2 loss
+    layout = layout_of(read_config(CONFIG_FILE, "tiny", environ={}))  # serial
     return SimpleNamespace(ctx=SimpleNamespace(precision=Precision("none")), layout=layout,
-                           model=model,
+                           model=model, loss=RelativeL2Loss(),
                            optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
                            scaler=torch.amp.GradScaler("cpu", enabled=False),
                            prof=StepProfiler(cpu, str(tmp_path), enabled=False))
@@ -233,10 +233,10 @@ def _spatial_rollout(h: int, w: int) -> None:
     """The AFNO maps a tile to a tile: a rollout on a mesh, with the loss of tiles, is the
     serial rollout's loss and gradient (max |err| <= 1e-5 x max |serial|: the tiles' sums
     add the same terms in another order)."""
+    from sharded import gather_full_grads, scatter_image
+
     from distributed import comm
     from distributed.helpers import sync_shared_gradients
-    from distributed.layers import gather_full_grads
-    from distributed.spatial import scatter_image
     from networks import build_model
     from networks.afno import AFNONet
     from utils.config import read_config
@@ -246,7 +246,7 @@ def _spatial_rollout(h: int, w: int) -> None:
     cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
         img_size=[28, 36], patch_size=4, n_in_channels=3, n_out_channels=3, embed_dim=16,
         depth=2, num_blocks=4, seed=3, h_parallel_size=h, w_parallel_size=w)
-    spatial = layout_of(cfg)  # train_mp.py's layout: its layers and its loss of tiles
+    spatial = layout_of(cfg)  # train_mp.py's layout: its layers, its sums over tiles
     serial = AFNONet(img_size=(28, 36), patch_size=4, in_chans=3, out_chans=3, embed_dim=16,
                      depth=2, num_blocks=4, seed=3)
     model = build_model(cfg, layers=spatial.layers)
@@ -255,7 +255,7 @@ def _spatial_rollout(h: int, w: int) -> None:
     expected = rollout_loss(serial, x, tar, l2_loss)
     expected.backward()
     tile = lambda t: scatter_image(t, serial.grid, 4)  # noqa: E731
-    loss = rollout_loss(model, tile(x), tile(tar), spatial.loss)
+    loss = rollout_loss(model, tile(x), tile(tar), RelativeL2Loss(spatial.sum_over_grid))
     loss.backward()
     sync_shared_gradients(model)
     where = f"h={h} w={w}"

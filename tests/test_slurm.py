@@ -21,7 +21,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO, generic_job_env, slurm_job_output, start_slurm_cluster
+from helpers import (
+    REPO,
+    generic_job_env,
+    slurm_job_output,
+    srun_on_two_nodes,
+    start_slurm_cluster,
+)
 from slurm_cluster import SlurmCluster, parse_fields
 
 SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
@@ -327,6 +333,27 @@ def test_two_node_model_parallel_layout(workdir):
     assert len({(s["MASTER_ADDR"], s["MASTER_PORT"]) for s in seen}) == 1
     # node1 is a SLURM name, not a host name: the first node's address (NodeAddr) instead
     assert by_rank[0]["MASTER_ADDR"] == node1["NodeAddr"] != "node1"
+
+
+@pytest.mark.e2e
+@pytest.mark.slurm
+def test_the_gpu_self_tests_two_node_srun_starts_a_task_on_each_node(workdir):
+    """The GPU self-test's two-node test runs inside `srun -n 1 make test-gpu`, a step of
+    one task: its srun (helpers.srun_on_two_nodes) still starts one task on each of the
+    job's two nodes."""
+    probe = ["bash", "-c", 'echo "TASK $SLURM_PROCID of $SLURM_NTASKS on node $SLURM_NODEID"']
+    inner = shlex.join(srun_on_two_nodes("srun", probe))
+    script = workdir / "two_node_step.sh"
+    script.write_text(f"#!/bin/bash\nsrun -n 1 bash -c {shlex.quote(inner)}\n")
+    c = start_slurm_cluster(nodes=2)
+    try:
+        job = c.submit(str(script), env=_job_env(c, workdir), cwd=str(REPO),
+                       sbatch_opts=["-N", "2", _out_opt(workdir)])
+        out = slurm_job_output(c, job, timeout=60)
+    finally:
+        c.stop()
+    tasks = sorted(line for line in out.splitlines() if line.startswith("TASK "))
+    assert tasks == ["TASK 0 of 2 on node 0", "TASK 1 of 2 on node 1"], out
 
 
 SIGNAL_JOB = """\

@@ -1,7 +1,8 @@
-"""Tiles of a field over the h x w mesh (distributed.spatial) and the loss and skill scores
-computed from tiles (the spatial layout's loss, evaluation.scores's scores given a Tile)
-against the serial ones on the whole field: the L2 loss and its gradient, the
-validation loss, latitude-weighted RMSE and ACC, and the whole field put back together.
+"""Tiles of a field over the h x w mesh (distributed.spatial) and the losses and skill
+scores computed from tiles (every loss of networks/loss.py with the spatial layout's sums
+over the tiles, evaluation.scores's scores given a Tile) against the serial ones on the
+whole field: each loss and its gradient, latitude-weighted RMSE and ACC, and the whole
+field put back together.
 
 Tolerance: max |err| <= 1e-5 x max |serial|: the tiles' sums add the same terms in another
 order (fp32 round-off ~1e-7 relative).
@@ -11,19 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CONFIG_FILE, assert_close_rel, layout_of, run_distributed
+from helpers import (
+    CONFIG_FILE,
+    assert_close_rel,
+    layout_of,
+    run_distributed,
+    weighted_rmse_channels,
+)
+from sharded import gather_image, scatter_image
 
 from data.grid import tutorial_grid
 from distributed import comm
-from distributed.spatial import gather_image, scatter_image, tile_bounds
+from distributed.spatial import tile_bounds
 from evaluation.regions import region_weights
-from evaluation.scores import (
-    relative_l2,
-    weighted_acc_channels,
-    weighted_rmse_channels,
-    whole_field,
-)
-from networks.loss import l2_loss as serial_l2_loss
+from evaluation.scores import weighted_acc_channels, whole_field
+from networks.loss import LOSSES, build_loss
 from utils.config import read_config
 from utils.tile import Tile
 
@@ -48,23 +51,25 @@ def _run(h: int, w: int) -> None:
     assert torch.equal(tile(pred), pred[..., rows, cols])
     assert torch.equal(gather_image(tile(pred), GRID, PATCH), pred), f"{where} round trip"
 
-    pred_full = pred.clone().requires_grad_()
-    serial_l2_loss(pred_full, target).backward()
-    pred_tile = tile(pred).requires_grad_()
     cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
         img_size=list(pred.shape[-2:]), patch_size=PATCH, h_parallel_size=h,
         w_parallel_size=w)
-    loss = layout_of(cfg).loss(pred_tile, tile(target))  # the spatial layout's loss
-    loss.backward()
-    assert_close_rel(loss.detach(), serial_l2_loss(pred, target), f"{where} l2 loss", RTOL)
-    assert_close_rel(pred_tile.grad, tile(pred_full.grad), f"{where} l2 loss gradient", RTOL)
-
-    t = Tile(tuple(pred.shape[-2:]), rows, cols)
-    assert_close_rel(relative_l2(tile(pred), tile(target), t), serial_l2_loss(pred, target),
-           f"{where} validation loss", RTOL)
+    layout = layout_of(cfg)
     # Every region's weights of the whole grid; each rank scores its tile's rows of them.
     _, weights = region_weights(tutorial_grid(*pred.shape[-2:]))
     wts = torch.from_numpy(weights).float()
+    for name in LOSSES:  # each loss, as build_training builds it on this layout
+        pred_full = pred.clone().requires_grad_()
+        serial = build_loss(name, wts[0])(pred_full, target)
+        serial.backward()
+        pred_tile = tile(pred).requires_grad_()
+        loss = build_loss(name, wts[0, rows], layout.sum_over_grid)(pred_tile, tile(target))
+        loss.backward()
+        assert_close_rel(loss.detach(), serial.detach(), f"{where} {name} loss", RTOL)
+        assert_close_rel(pred_tile.grad, tile(pred_full.grad), f"{where} {name} gradient",
+                         RTOL)
+
+    t = Tile(tuple(pred.shape[-2:]), rows, cols)
     assert_close_rel(weighted_rmse_channels(tile(pred), tile(target), wts, t),
            weighted_rmse_channels(pred, target, wts), f"{where} weighted RMSE", RTOL)
     assert_close_rel(weighted_acc_channels(tile(pred), tile(target), tile(clim), wts, t),
@@ -86,5 +91,4 @@ def test_one_rank_tile_is_the_whole_field() -> None:
     cfg = read_config(CONFIG_FILE, "tiny_afno", environ={}).replace(
         img_size=list(pred.shape[-2:]), patch_size=PATCH)
     one = layout_of(cfg)  # a 1 x 1 mesh is the serial layout
-    assert one.kind == "serial" and one.tile.is_whole
-    assert_close_rel(one.loss(pred, target), serial_l2_loss(pred, target), "l2 loss", RTOL)
+    assert one.kind == "serial" and one.tile.is_whole and one.sum_over_grid is None

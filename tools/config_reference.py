@@ -29,11 +29,13 @@ def _default(field: Any) -> str:
 
 def _flag(field: Any, key: str) -> str:
     """The key's command-line flag and its aliases, from its `Flag` marker ('' if none);
-    flags of the model-parallel scripts only are marked so."""
+    flags of the model-parallel scripts only, or of one script, are marked so."""
     flag = next((m for m in field.metadata if isinstance(m, Flag)), None)
     if flag is None:
         return ""
     names = ", ".join(f"`{name}`" for name in (f"--{key}", *flag.aliases))
+    if flag.script:
+        return f"{names} ({flag.script})"
     return f"{names} (model-parallel scripts)" if flag.model_parallel else names
 
 

@@ -15,20 +15,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from evaluation.forecast_skill import (  # noqa: E402
-    HEADLINE_CHANNELS,
-    USEFUL_ACC,
-    Skill,
-    channel_units,
-    read_json,
-)
+from data.era5_names import HEADLINE, units_of  # noqa: E402
+from evaluation.forecast_skill import USEFUL_ACC, Skill, read_json  # noqa: E402
 
 STYLE = {"model": dict(color="C0", ls="-", marker="o", ms=3),
          "persistence": dict(color="C1", ls="--"),
          "climatology": dict(color="C2", ls=":")}
 
 
-def skill_vs_lead(skill: Skill, channels: Sequence[str] = HEADLINE_CHANNELS,
+def skill_vs_lead(skill: Skill, channels: Sequence[str] = HEADLINE,
                   title: str = "") -> plt.Figure:
     """RMSE (top row) and ACC (bottom row) against lead time, one column per channel."""
     channels = [c for c in channels if c in skill.channels]
@@ -42,7 +37,7 @@ def skill_vs_lead(skill: Skill, channels: Sequence[str] = HEADLINE_CHANNELS,
             if forecast != "climatology":  # its ACC is 0 by definition
                 bottom.plot(days, skill.series("acc", forecast, name), label=forecast, **style)
         top.set_title(f"{name}")
-        top.set_ylabel(f"RMSE [{channel_units(name)}]")
+        top.set_ylabel(f"RMSE [{units_of(name)}]")
         top.set_ylim(bottom=0)
         bottom.axhline(USEFUL_ACC, color="grey", lw=0.8)
         bottom.set_ylabel("ACC")
@@ -62,7 +57,7 @@ def rollout_maps(truth: np.ndarray, forecast: np.ndarray, lead_hours: Sequence[i
     fields in physical units."""
     fig, axes = plt.subplots(len(lead_hours), 3, figsize=(12.6, 2.5 * len(lead_hours)),
                              squeeze=False)
-    unit = channel_units(name)
+    unit = units_of(name)
     for row, hours in enumerate(lead_hours):
         t, f = truth[row], forecast[row]
         lo, hi = float(np.min(t)), float(np.max(t))
@@ -83,7 +78,7 @@ def rollout_maps(truth: np.ndarray, forecast: np.ndarray, lead_hours: Sequence[i
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("skill_json", help="skill.json written by inference.py")
-    p.add_argument("--channels", nargs="+", default=list(HEADLINE_CHANNELS))
+    p.add_argument("--channels", nargs="+", default=list(HEADLINE))
     p.add_argument("--out", default=None, help="PNG file (default: next to the JSON)")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(args.skill_json), "skill_vs_lead.png")

@@ -23,7 +23,7 @@ from networks import build_model  # noqa: E402
 from training.checkpoint import latest_checkpoint  # noqa: E402
 from training.logs import target_vs_prediction  # noqa: E402
 from training.run_dirs import newest_checkpointed  # noqa: E402
-from utils.config import read_config  # noqa: E402
+from utils.config import DEFAULT_YAML, read_config  # noqa: E402
 from utils.config_schema import Config  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def plot_t2m(cfg: Config, run_dir: str, out: str, index: int = 0) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--yaml_config", default="config/ViT.yaml")
+    p.add_argument("--yaml_config", default=DEFAULT_YAML)
     p.add_argument("--config", default="cpu_base")
     p.add_argument("--run", default=None,
                    help="run directory (default: the newest single-process run of the config)")

@@ -1,6 +1,6 @@
 """What torch.compile costs a run, shown, and paid once per config rather than once per job.
 
-- the compile cache (utils/compile_cache.py): paid once per config, not once per job.
+- the compile cache (training/compiling.py): paid once per config, not once per job.
 - `StartupReport`: after the first training step of a process, one log line (rank 0) with
   the time since the process started and how much of it was compiling, and the cache
   hits; at the end of the run, the compile total, which shows any compile after step 1.
@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from utils.compile_cache import CACHE_ENV
+from training.compiling import CACHE_ENV
 from utils.config_schema import Config
 
 log = logging.getLogger("train")

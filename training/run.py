@@ -24,7 +24,9 @@ from data.checks import BatchScan
 from data.loader import get_loader
 from distributed import comm
 from distributed.layout import Layout
-from evaluation.scores import Normaliser, validate
+from evaluation.scores import T2M, Normaliser, validate
+from networks.loss import build_loss
+from training import compiling
 from training.checkpoint import Checkpointer, load_weights, resolve_resume
 from training.guard import RunGuard
 from training.logs import RunLog
@@ -33,7 +35,7 @@ from training.profiling import StepProfiler
 from training.progress import Progress
 from training.setup import RunContext, peak_memory_gb
 from utils.config_schema import Config
-from utils.errors import ConfigError, DataError
+from utils.errors import DataError
 from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train")
@@ -53,12 +55,12 @@ def build_model(cfg: Config, layout: Layout) -> torch.nn.Module:
 
 
 def wrap_model(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:
-    """DDP over the data-parallel group, then torch.compile. DDP averages over dp only: the
-    ranks of a model-parallel group hold different shards, whose gradients must not be
-    mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture of the full backward
-    requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel") and it costs
-    nothing otherwise. The compile cache was chosen with the layout, before DDP (whose
-    constructor already asks Inductor for it)."""
+    """DDP over the data-parallel group, then torch.compile (training/compiling.py). DDP
+    averages over dp only: the ranks of a model-parallel group hold different shards, whose
+    gradients must not be mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture
+    of the full backward requires it (PyTorch CUDA semantics, "Usage with
+    DistributedDataParallel") and it costs nothing otherwise."""
+    compiling.prepare(cfg)  # the compile cache, before DDP's constructor asks Inductor for it
     if comm.get_size("dp") > 1 and not cfg.noddp:
         side = torch.cuda.Stream() if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -70,9 +72,7 @@ def wrap_model(model: torch.nn.Module, cfg: Config, device: torch.device) -> tor
                 **buffer_sync(not cfg.disable_broadcast_buffers))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-    if cfg.enable_jit:
-        model = torch.compile(model)
-    return model
+    return compiling.compile_model(model, cfg)
 
 
 def buffer_sync(each_forward: bool) -> dict[str, bool]:
@@ -90,8 +90,6 @@ def build_optimizer(cfg: Config, model: torch.nn.Module,
                     capturable: bool = False) -> torch.optim.Optimizer:
     """Adam; `capturable` (CUDA graphs) keeps the step on the GPU and the LR in a tensor
     that the scheduler updates in place, so a replayed graph sees the current LR."""
-    if cfg.optimizer != "Adam":
-        raise ConfigError(f"optimizer '{cfg.optimizer}' is not supported (use Adam)")
     lr: float | torch.Tensor = cfg.lr
     if capturable:
         lr = torch.tensor(float(cfg.lr), device=next(model.parameters()).device)
@@ -125,6 +123,7 @@ class Training:
     ctx: RunContext
     layout: Layout
     model: torch.nn.Module
+    loss: torch.nn.Module  # the config's loss (networks/loss.py), as the step calls it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
@@ -179,10 +178,10 @@ class Training:
         start = time.time()
         # Eagerly, without torch.compile: evaluation (no_grad, eval mode) would compile a
         # second graph of the model for little gain (docs/benchmarks.md, torch.compile).
-        val = validate(uncompiled(self.model), self.val_loader, self.layout,
-                       self.ctx.precision, self.norm)
+        val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
+                       self.layout, self.ctx.precision, self.norm)
         val_time = time.time() - start
-        p, t2m = self.progress, self.norm.channel(2)
+        p, t2m = self.progress, self.norm.channel(T2M)
         if train_time is None:
             self.log.scalars(0, {"Loss/train": val["loss"]})
             log.info(f"Initial val loss={val['loss']:.6f}, RMSE(u10m)="
@@ -221,6 +220,11 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
         raise DataError(f"{cfg.train_data_path}: fewer training samples per data-parallel "
                         f"rank than the local batch size {ctx.local_batch_size}")
     val_loader, _, _ = get_loader(cfg, cfg.valid_data_path, train=False, **shard)
+    norm = Normaliser(cfg, layout.device)
+    # The config's loss, of this rank's rows, its sums completed over the grid as the
+    # layout says; training and validation call this one object.
+    loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid)
+    loss = compiling.compile_loss(loss, cfg, whole_grid=layout.sum_over_grid is None)
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = layout.grad_scaler(ctx.precision)  # fp16: one overflow verdict per model replica
@@ -239,10 +243,9 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
     # to do (epoch_step != 0): then this run writes them again.
     purge = (progress.iters + (0 if progress.epoch_step else 1)) if resume else None
     return Training(
-        cfg=cfg, ctx=ctx, layout=layout, model=model, optimizer=optimizer,
+        cfg=cfg, ctx=ctx, layout=layout, model=model, loss=loss, optimizer=optimizer,
         scheduler=scheduler, scaler=scaler, train_loader=train_loader,
-        train_sampler=train_sampler, val_loader=val_loader,
-        norm=Normaliser(cfg, layout.device), ckpt=ckpt,
+        train_sampler=train_sampler, val_loader=val_loader, norm=norm, ckpt=ckpt,
         prof=StepProfiler(layout.device, ctx.run_dir, rank=comm.get_world_rank()),
         log=RunLog(ctx.run_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
         guard=RunGuard(cfg, layout.device, ckpt, stop,

@@ -33,9 +33,10 @@ from distributed.launch_env import slurm_restarts
 from training.checkpoint_files import checkpoint_dir, latest_checkpoint
 from utils.errors import CheckpointError
 
-# Config-key flags that say how long a run is or how it is kept, not what it trains.
+# Config-key flags that say how long a run is or how it is kept, not what it trains (the
+# CUDA graph's warm-up steps are undone before training starts).
 NOT_IN_LABEL = frozenset({"run_num", "num_iters", "checkpoint_interval", "checkpoint_keep",
-                          "resume", "requeue"})
+                          "resume", "requeue", "graph_warmup"})
 MAX_LABEL = 96  # a longer label is cut and ends in a hash of the whole (names stay unique)
 _NAME = re.compile(r"^(?P<base>\d+|job\d+(?:\.\d+)?)(?:-(?P<label>.+))?$")
 

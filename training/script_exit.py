@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -41,10 +41,13 @@ from distributed.launch_env import resolve_launch_env
 from training import signals
 from utils.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError, from_worker, message_of
 
+T = TypeVar("T")
 
-def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoReturn:
-    """Run a script's `main(argv)` and exit: 0 when it returns, its own code when it calls
-    sys.exit (e.g. preempted), 2 with one `error:` line for a user error (`UserError`).
+
+def run_main(main: Callable[[T], Any], started: T) -> NoReturn:
+    """Run a script's `main(started)` (`started`: what training/startup.py's `start` read
+    from the command line) and exit: 0 when it returns, its own code when it calls sys.exit
+    (e.g. preempted), 2 with one `error:` line for a user error (`UserError`).
 
     In a job of several ranks one rank prints the line (training/py). A rank
     that fails only because another rank reported a user error and left (its collectives
@@ -63,7 +66,7 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
     code: Any = 0
     printed = True
     try:
-        main(argv)
+        main(started)
     except SystemExit as e:
         code = e.code
     except Exception as e:
@@ -76,6 +79,15 @@ def run_main(main: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> NoRet
     if not printed:  # only ever in a job of several ranks
         linger()
     sys.exit(code)
+
+
+def exit_on_user_error(error: UserError) -> NoReturn:
+    """End a job whose command line or config is wrong (training/startup.py, before torch
+    and any process group): one line from rank 0, as `run_main` says it, and exit code 2."""
+    signals.end_startup()
+    if not report(error):
+        linger()
+    sys.exit(EXIT_USER_ERROR)
 
 
 def _report(error: Exception) -> bool:

@@ -1,9 +1,9 @@
 """SIGUSR1 and SIGTERM from a train script's first line on: never the default action, which
 ends the process without a word (exit 138 or 143).
 
-Light on purpose (no torch): the train scripts call `stop_during_startup()` before their
-heavy imports, so only the Python interpreter's own start-up (tens of milliseconds) is left
-unprotected. A run has two phases:
+Light on purpose (no torch): every script's start-up (training/startup.py) calls
+`stop_during_startup()` before its heavy imports, so only the Python interpreter's own
+start-up (tens of milliseconds) is left unprotected. A training run has two phases:
 
   start-up  (imports, process groups, model, data; nothing to save yet): a signal ends the
             process at once with "stopped by SIGUSR1 before training started: nothing to
@@ -16,6 +16,8 @@ unprotected. A run has two phases:
   training  (`end_startup()`, called when the run's StopSignal is made): the handler only
             records the signal; the run guard saves a checkpoint at the next step and exits 3
             (training/preemption.py).
+inference.py has nothing to save at any point: it stays in the first phase to the end,
+saying that the evaluation stopped before it finished.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _received: int | None = None
 _installed: set[int] = set()
 _pipe: tuple[int, int] | None = None  # (read, write) ends while the start-up watcher runs
 _NUDGE = b"\0"  # not a signal number: tells the watcher to stand down
+BEFORE_TRAINING = "before training started: nothing to save"
 
 
 def _record(signum: int, frame: object) -> None:
@@ -54,9 +57,10 @@ def received() -> int | None:
     return _received
 
 
-def stop_during_startup() -> None:
-    """From now until `end_startup()`, a stop signal ends the process at once with one line
-    and exit code 3 (nothing is saved yet, nothing is lost). Call from the main thread."""
+def stop_during_startup(stopped: str = BEFORE_TRAINING) -> None:
+    """From now until `end_startup()`, a stop signal ends the process at once with one line,
+    "stopped by SIGTERM <stopped>", and exit code 3 (nothing is saved yet, nothing is lost).
+    Call from the main thread."""
     global _pipe
     catch()
     if _pipe is not None:
@@ -65,7 +69,7 @@ def stop_during_startup() -> None:
     os.set_blocking(write_end, False)  # a full pipe must never block the signal handler
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     _pipe = (read_end, write_end)
-    threading.Thread(target=_watch, args=(read_end,), name="startup-signal-watcher",
+    threading.Thread(target=_watch, args=(read_end, stopped), name="startup-signal-watcher",
                      daemon=True).start()
 
 
@@ -81,7 +85,7 @@ def end_startup() -> None:
     os.close(write_end)
 
 
-def _watch(read_end: int) -> None:
+def _watch(read_end: int, stopped: str) -> None:
     while _pipe is not None:
         data = os.read(read_end, 64)  # signal numbers, one byte each (or the nudge)
         stop = [s for s in data if s in STOP_SIGNALS]
@@ -91,8 +95,7 @@ def _watch(read_end: int) -> None:
             rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
             who = f"rank {rank}: " if rank is not None and _world_size() > 1 else ""
             name = signal.Signals(stop[0]).name
-            os.write(2, f"{who}stopped by {name} before training started: nothing to save\n"
-                     .encode())
+            os.write(2, f"{who}stopped by {name} {stopped}\n".encode())
             os._exit(EXIT_PREEMPTED)  # nothing to save: skip the interpreter's clean-up
     os.close(read_end)
 

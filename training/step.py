@@ -1,7 +1,7 @@
 """One training step, written once. `forward_backward` is the step's body: the eager step
 runs it, and train_mp_graphs.py captures the very same body in a CUDA graph.
 
-    forward (autocast)  ->  loss (the layout's)  ->  scaled backward  ->  the layout's
+    forward (autocast)  ->  the run's loss  ->  scaled backward  ->  the layout's
     after-backward (model-parallel gradient sums)  ->  optimizer step (the layout's loss
     scaler: skipped by every rank of the model replica if any of them overflowed)
 """
@@ -25,14 +25,14 @@ def rollout_loss(model: torch.nn.Module, inp: torch.Tensor, tar: torch.Tensor,
 
 
 def forward_backward(run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-    """Forward under autocast, the layout's loss, scaled backward, the layout's gradient
-    completion. A target with a step axis (B, K, C, H, W) (`rollout_steps` K > 1) trains on
-    the mean loss of a K-step rollout. Returns the loss (still attached)."""
+    """Forward under autocast, the run's loss (networks/loss.py), scaled backward, the
+    layout's gradient completion. A target with a step axis (B, K, C, H, W) (`rollout_steps`
+    K > 1) trains on the mean loss of a K-step rollout. Returns the loss (still attached)."""
     with run.prof.range("forward"), run.ctx.precision.autocast():
         if tar.dim() == inp.dim():
-            loss = run.layout.loss(run.model(inp), tar)
+            loss = run.loss(run.model(inp), tar)
         else:
-            loss = rollout_loss(run.model, inp, tar, run.layout.loss)
+            loss = rollout_loss(run.model, inp, tar, run.loss)
     with run.prof.range("backward"):
         run.scaler.scale(loss).backward()
     if run.layout.is_model_parallel:

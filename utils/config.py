@@ -4,10 +4,12 @@ on top, checked once against the schema (utils/config_schema.py) into a frozen `
 
     cfg = load_config(argv, "Train the weather forecaster")            # train.py
     cfg = load_config(argv, "...", model_parallel=True)                # + --tp, --cp, ...
+    cfg = load_config(argv, "...", True, script="train_mp_graphs.py")  # + --graph_warmup
     cfg = read_config("config/ViT.yaml", "tiny", environ={})           # no flags (tests)
 
 The flags are derived from the schema: every key marked `Flag()` there is a flag here, with
-its type, choices and help, so a key is declared in one place.
+its type, choices and help, so a key is declared in one place. The scripts read their config
+at start-up, before torch is imported (training/startup.py).
 """
 
 from __future__ import annotations
@@ -177,23 +179,26 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     return annotation, None
 
 
-def flag_parser(description: str, model_parallel: bool = False) -> FlagParser:
+def flag_parser(description: str, model_parallel: bool = False,
+                script: str | None = None) -> FlagParser:
     """The script's flags: --yaml_config and --config, then every key the schema marks as a
-    flag (the model-parallel ones only for the model-parallel scripts)."""
+    flag (the model-parallel ones only for the model-parallel scripts, a script's own only
+    for `script`)."""
     p = FlagParser(description=description)
     p.add_argument("--yaml_config", default=DEFAULT_YAML, help="the YAML config file")
     p.add_argument("--config", default=DEFAULT_SECTION, help="section of the YAML file")
-    return add_flags(p, model_parallel)
+    return add_flags(p, model_parallel, script=script)
 
 
 def add_flags(p: argparse.ArgumentParser, model_parallel: bool = False,
-              only: Sequence[str] | None = None) -> argparse.ArgumentParser:
+              only: Sequence[str] | None = None, script: str | None = None
+              ) -> argparse.ArgumentParser:
     """Add the schema's flags (`only` these keys, if given) to `p`: a flag not given parses
     as None, so that the config's value stands."""
     for key in KEYS:  # the schema's order (the reference's): it orders run names too
-        field = Config.model_fields[key]
-        flag = next((m for m in field.metadata if isinstance(m, Flag)), None)
+        field, flag = Config.model_fields[key], _flag(key)
         if flag is None or (flag.model_parallel and not model_parallel) or \
+                (flag.script is not None and flag.script != script) or \
                 (only is not None and key not in only):
             continue
         names = [f"--{key}", *flag.aliases]
@@ -214,14 +219,23 @@ def flags_given(args: argparse.Namespace) -> dict[str, Any]:
             if value is not None and _is_flag(key)}
 
 
-def _is_flag(key: str) -> bool:
+def _flag(key: str) -> Flag | None:
+    """The key's `Flag` marker in the schema (None: no flag, or no such key)."""
     field = Config.model_fields.get(key)
-    return field is not None and any(isinstance(m, Flag) for m in field.metadata)
+    return next((m for m in field.metadata if isinstance(m, Flag)), None) if field else None
+
+
+def _is_flag(key: str) -> bool:
+    return _flag(key) is not None
+
+
+# The keys whose flags the model-parallel scripts alone have: the layout (--tp, --cp, ...).
+MODEL_PARALLEL_FLAGS = tuple(k for k in KEYS if (f := _flag(k)) is not None and f.model_parallel)
 
 
 def load_config(argv: Sequence[str] | None, description: str,
-                model_parallel: bool = False) -> Config:
+                model_parallel: bool = False, script: str | None = None) -> Config:
     """The config of a script run with `argv`: the --config section of --yaml_config,
     relocated by the environment, with the flags given on top."""
-    args = flag_parser(description, model_parallel).parse_args(argv)
+    args = flag_parser(description, model_parallel, script).parse_args(argv)
     return read_config(args.yaml_config, args.config, flags=flags_given(args))

@@ -26,19 +26,7 @@ from annotated_types import Ge, Gt, Le, Len, Lt, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from utils.errors import ConfigError
-
-# The rank layout's axes (distributed/rank_generator.py), fastest-varying first by default.
-AXES = ("tp", "cp", "h", "w", "dp")
-DEFAULT_ORDER = "-".join(AXES)
-
-
-def parse_axes(name: str) -> list[str]:
-    """"tp-cp" -> ["tp", "cp"]; rejects unknown or repeated axes."""
-    axes = name.split("-")
-    unknown = [a for a in axes if a not in AXES]
-    if unknown or len(set(axes)) != len(axes):
-        raise ValueError(f"bad axis list {name!r}: use names from {AXES} joined by '-'")
-    return axes
+from utils.parallel_axes import BY_NAME, DEFAULT_ORDER, NAMES, config_sizes, parse_axes
 
 
 class Expect:
@@ -50,11 +38,14 @@ class Expect:
 
 class Flag:
     """Annotation metadata: the key is also a command-line flag, `--<key>` (and `aliases`).
-    `model_parallel` flags exist only in the model-parallel scripts; `const` is the value of
-    the flag given without one (`--resume` alone means "auto")."""
+    `model_parallel` flags exist only in the model-parallel scripts, a `script`'s only in
+    that script; `const` is the value of the flag given without one (`--resume` alone
+    means "auto")."""
 
-    def __init__(self, *aliases: str, model_parallel: bool = False, const: str | None = None):
+    def __init__(self, *aliases: str, model_parallel: bool = False, script: str | None = None,
+                 const: str | None = None):
         self.aliases, self.model_parallel, self.const = aliases, model_parallel, const
+        self.script = script
 
 
 def _single_path_component(value: str) -> str:
@@ -81,7 +72,7 @@ PathStr = Annotated[str, MinLen(1)]
 RunTag = Annotated[str, AfterValidator(_single_path_component),
                    Expect("a single path component (no '/', not '.' or '..')")]
 AxisOrder = Annotated[str, AfterValidator(_axis_order),
-                      Expect(f"axes from {', '.join(AXES)} joined by '-', each at most once, "
+                      Expect(f"axes from {', '.join(NAMES)} joined by '-', each at most once, "
                              "dp included")]
 
 
@@ -97,7 +88,7 @@ class ModelKeys(Keys):
     depth: PosInt = Field(description="number of transformer / AFNO blocks")
     patch_size: PosInt = Field(description="side of the square patch that becomes one token")
     num_heads: PosInt = Field(8, description="attention heads (ViT)")
-    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim (AFNO)")
+    mlp_ratio: PosFloat = Field(4.0, description="MLP hidden width / embed_dim")
     num_blocks: PosInt = Field(8, description="block-diagonal blocks of the AFNO spectral weights")
     sparsity_threshold: NonNegFloat = Field(0.01, description="AFNO soft-shrink threshold")
     hard_thresholding_fraction: Annotated[float, Gt(0), Le(1)] = Field(
@@ -106,7 +97,9 @@ class ModelKeys(Keys):
     img_size: Annotated[list[PosInt], Len(2, 2)] = Field(
         description="grid [H, W] read from the data (the first H rows, W columns)")
     n_in_channels: PosInt = Field(description="input channels (20 in the ERA5 layout)")
-    n_out_channels: PosInt = Field(description="predicted channels")
+    n_out_channels: PosInt = Field(
+        description="predicted channels: the input's, n_in_channels (the forecast is the "
+                    "next input)")
 
 
 class TrainingKeys(Keys):
@@ -120,6 +113,9 @@ class TrainingKeys(Keys):
         None, description="samples per rank; if set, global = local x dp size")
     num_iters: Annotated[PosInt, Flag()] = Field(
         description="training iterations (optimizer steps)")
+    loss: Annotated[Literal["relative_l2", "weighted_mse"], Flag()] = Field(
+        "relative_l2", description="training and validation loss (networks/loss.py): the "
+        "tutorial's relative L2 error, or the latitude-weighted MSE")
     lr: PosFloat = Field(description="peak learning rate")
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
@@ -136,6 +132,10 @@ class TrainingKeys(Keys):
     skip_initial_validation: Annotated[bool, Flag()] = Field(
         False, description="start training at once, without validating the untrained model "
                            "(no step-0 point on the curves)")
+    graph_warmup: Annotated[int, Ge(3), Flag(script="train_mp_graphs.py")] = Field(
+        20, description="eager steps before the CUDA-graph capture: they create the loss "
+        "scale and Adam's state the graph reuses (at least 3, PyTorch's warm-up for graphed "
+        "callables; a DDP model gets at least 11)")
 
 
 class RunKeys(Keys):
@@ -199,9 +199,6 @@ class ParallelKeys(Keys):
         False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     noddp: Annotated[bool, Flag()] = Field(
         False, description="skip the gradient all-reduce (wrong training; measures its cost)")
-    wireup_info: Literal["env", "mpi"] = Field(
-        "env", description="tutorial key; the launcher is detected from the environment")
-    wireup_store: Literal["tcp", "file"] = Field("tcp", description="tutorial key, as above")
 
 
 class SourceKeys(Keys):
@@ -235,6 +232,10 @@ def _check_widths(c: Config) -> None:
         if getattr(c, key) % c.tp:
             raise ValueError(f"{key} {getattr(c, key)} is not divisible by tp {c.tp} (--tp): "
                              "choose a tp that divides it")
+    hidden = int(c.embed_dim * c.mlp_ratio)
+    if c.model == "vit" and hidden % c.tp:
+        raise ValueError(f"the MLP's {hidden} hidden units (embed_dim {c.embed_dim} x mlp_ratio "
+                         f"{c.mlp_ratio}) are not divisible by tp {c.tp} (--tp)")
 
 
 def _check_splits(c: Config) -> None:
@@ -251,11 +252,20 @@ def _check_splits(c: Config) -> None:
         # the spectrum's channels are split over w in whole blocks, at least one per rank
         raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
                          f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
-    sizes = {"tp": c.tp, "cp": c.cp, "h": c.h_parallel_size, "w": c.w_parallel_size}
-    missing = [a for a, n in sizes.items() if n > 1 and a not in parse_axes(c.parallel_order)]
+    missing = [a for a, n in config_sizes(c).items()
+               if n > 1 and a not in parse_axes(c.parallel_order)]
     if missing:
-        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)}, "
-                         "whose size is > 1")
+        raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
+                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
+
+
+def _check_channels(c: Config) -> None:
+    # The model forecasts the fields it reads: the target is the input t + dt, and a rollout
+    # (the multi-step loss, inference) feeds each forecast back in as the next input.
+    if c.n_out_channels != c.n_in_channels:
+        raise ValueError(f"n_out_channels {c.n_out_channels} differs from n_in_channels "
+                         f"{c.n_in_channels}: the model forecasts the fields it reads (each "
+                         "forecast is the next step's input); set both to the data's channels")
 
 
 def _check_rollout(c: Config) -> None:
@@ -292,11 +302,20 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_widths(self)
         _check_layout(self)
         _check_splits(self)
+        _check_channels(self)
         _check_rollout(self)
         return self
 
 
 KEYS: list[str] = [k for group in GROUPS for k in group.model_fields]
+
+# The tutorial's keys that this code does without: a config copied from it is told why.
+RETIRED: dict[str, str] = {
+    "wireup_info": "the launcher (torchrun, SLURM, mpirun) and with it each rank's place "
+                   "are found from the environment",
+    "wireup_store": "the ranks meet at MASTER_ADDR:MASTER_PORT, checked first "
+                    "(distributed/rendezvous.py)",
+}
 
 
 # ----------------------------------------------------------------- describing a type
@@ -359,6 +378,9 @@ def _explain(err: dict[str, Any], data: dict[str, Any], where: str, flags: set[s
     if not err["loc"]:  # a check across keys (model validator)
         return f"{where}: {err['ctx']['error']}"
     key = str(err["loc"][0])
+    if err["type"] == "extra_forbidden" and key in RETIRED:
+        return (f"key {_culprit(key, data.get(key), where, flags)} is no longer used: "
+                f"{RETIRED[key]}; delete it")
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, KEYS, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "see the config reference"

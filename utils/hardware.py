@@ -30,9 +30,6 @@ REDUCED = ("bf16", "fp16")
 # x86 feature flags (names as torch._C._cpu._get_cpu_capability reports them) that make a
 # reduced precision native: any one of them is enough.
 NATIVE_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
-# Flags worth naming next to a CPU timing (vector width and matrix units).
-REPORTED_FLAGS = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                  "amx_fp16", "amx_int8")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -108,12 +105,6 @@ def cpu_name() -> str:
     except (OSError, StopIteration):
         name = platform.processor() or name
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs)"
-
-
-def cpu_flags() -> str:
-    """The reported flags this CPU has, e.g. 'avx2 avx512_f avx512_bf16 amx_bf16'."""
-    features = cpu_features()
-    return " ".join(f for f in REPORTED_FLAGS if features.get(f)) or "unknown"
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ each: distributed.comm.cpu_threads); nothing is set then either. Other processes
 once, at start-up (the runnable threads Linux counts in /proc/loadavg): a job that starts
 competing later is not.
 
-The train scripts call `choose_before_torch(argv)` first thing; the run's log says what was
-chosen and why (`describe`). Measured both ways side by side: docs/benchmarks.md.
+The scripts' start-up (training/startup.py) calls `set_before_torch` with the config it has
+just read, the benchmarks `choose_before_torch(argv)`; the run's log says what was chosen
+and why (`describe`). Measured both ways side by side: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -134,12 +135,22 @@ def choose(workers: int, loader: str, environ: Mapping[str, str] | None = None,
 _chosen: WaitPolicy | None = None
 
 
+def set_before_torch(workers: int, loader: str,
+                     environ: MutableMapping[str, str] | None = None) -> WaitPolicy:
+    """Choose the wait policy of a run (`choose`, with the other processes busy now) and set
+    it in `environ` (os.environ): before anything imports torch (training/startup.py)."""
+    global _chosen
+    environ = os.environ if environ is None else environ
+    _chosen = choose(workers, loader, environ, busy=busy_elsewhere())
+    environ.update(_chosen.env)
+    return _chosen
+
+
 def choose_before_torch(argv: Sequence[str], model_parallel: bool = False,
                         environ: MutableMapping[str, str] | None = None) -> WaitPolicy:
-    """Read the run's config from `argv` and set the wait policy in `environ` (os.environ);
-    call it before anything imports torch. A command line that does not parse is left to
-    the script, which reports it: nothing is set then."""
-    global _chosen
+    """For a benchmark's command line: read the run's config from `argv` (its own flags
+    left to it) and `set_before_torch`. A command line that does not parse is left to the
+    benchmark, which reports it: nothing is set then."""
     environ = os.environ if environ is None else environ
     if any(a in ("-h", "--help") for a in argv):
         return WaitPolicy()
@@ -151,10 +162,7 @@ def choose_before_torch(argv: Sequence[str], model_parallel: bool = False,
         cfg = read_config(args.yaml_config, args.config, flags=flags_given(args))
     except (ConfigError, OSError):
         return WaitPolicy()
-    _chosen = choose(cfg.num_data_workers, cfg.data_loader_config, environ,
-                     busy=busy_elsewhere())
-    environ.update(_chosen.env)
-    return _chosen
+    return set_before_torch(cfg.num_data_workers, cfg.data_loader_config, environ)
 
 
 def describe(environ: Mapping[str, str] | None = None) -> str:

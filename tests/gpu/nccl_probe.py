@@ -1,7 +1,7 @@
 """Two-node NCCL smoke test, one task per node (tests/gpu/test_gpu_parallel.py runs it with
 srun; docs/gpu_self_test.md gives the sbatch line):
 
-    srun -N 2 --ntasks-per-node=1 [$SITE_LAUNCHER] bash -c \\
+    srun -N 2 -n 2 --ntasks-per-node=1 [$SITE_LAUNCHER] bash -c \\
         'source export_DDP_vars.sh && exec python tests/gpu/nccl_probe.py'
 
 Every task joins the job as the train scripts do (`distributed.comm.init_process`: the

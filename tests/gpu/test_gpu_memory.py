@@ -34,7 +34,7 @@ CASES = [
     ("sbatch --nodes 4 submit_pm_mp.sh --config=mp --row_parallel_size=4 (tp 4, local batch 16)",
      "train_mp.py", ["--config=mp_bs16", "--tp=4"], 4, 2),
     ("ENABLE_CUDA_GRAPHS=1 sbatch --nodes 1 submit_pm_mp.sh --config=mp_bs16 --tp=4",
-     "train_mp_graphs.py", ["--config=mp_bs16", "--tp=4", "--graph_warmup=2"], 4, 5),
+     "train_mp_graphs.py", ["--config=mp_bs16", "--tp=4", "--graph_warmup=3"], 4, 5),
 ]
 
 

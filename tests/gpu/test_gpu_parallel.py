@@ -29,7 +29,7 @@ from gpu_utils import (
     need_gpus,
     require_cuda,  # noqa: F401  (fixture used through pytestmark)
 )
-from helpers import REPO, final_checkpoint, run_script
+from helpers import REPO, final_checkpoint, run_script, srun_on_two_nodes
 from overflow_fault import read_records
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
@@ -177,8 +177,7 @@ def test_two_nodes_all_reduce_over_nccl_and_name_the_network(capsys):
                     "has the sbatch line that runs tests/gpu/nccl_probe.py on 2 nodes")
     python = os.environ.get("PYTHON", sys.executable)  # the site's, inside its launcher
     probe = f"source export_DDP_vars.sh && exec {shlex.quote(python)} tests/gpu/nccl_probe.py"
-    cmd = [srun, "--overlap", "-N", "2", "--ntasks-per-node=1",
-           *shlex.split(os.environ.get("SITE_LAUNCHER", "")), "bash", "-c", probe]
+    cmd = srun_on_two_nodes(srun, ["bash", "-c", probe], os.environ.get("SITE_LAUNCHER", ""))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(REPO), DIST_TIMEOUT_SEC="120")

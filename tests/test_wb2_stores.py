@@ -1,0 +1,183 @@
+"""Forecasts, truth and climatology in WeatherBench-2's layouts, on every grid the
+preparation makes (evaluation/forecast_file.py, evaluation/truth_file.py,
+evaluation/wb2_climatology.py, data/forecast.py), on small stores made here:
+
+  - WeatherBench-2's rule (tests/era5_stores.py: `wb2_rule`), as its
+    `evaluation.open_source_files` and `_impose_data_selection` apply it: latitude made
+    increasing in both stores, the forecast's latitude and longitude equal to the truth's
+    to 1e-3 *before* any selection, then the levels asked for present. It holds for
+    forecasts against the truth store `--save_truth` writes, on the native grid (ascending
+    without poles, or with poles), a crop and block means; on a native grid the source
+    store itself serves as the truth;
+  - rollouts from the last days of a test year read their truth from the next one;
+  - WeatherBench-2's climatology store (dayofyear x hour) gives ACC's reference at each
+    valid time's day of year and hour, on the grid or a crop of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from era5_stores import VARIABLES, clim_known, grid, wb2_climatology, wb2_rule, wb2_zarr
+from helpers import CONFIG_FILE
+
+from data import prepare_era5
+from data.era5_names import CHANNEL_NAMES
+from data.forecast import RolloutData
+from evaluation.forecast_file import create_store, write_forecasts
+from evaluation.references import References
+from evaluation.scores import Normaliser
+from evaluation.truth_file import write_truth
+from evaluation.wb2_climatology import day_and_hour
+from utils.config import read_config
+from utils.errors import DataError
+from utils.tile import Tile
+
+LEAD = 3
+
+
+def config(out, shape):
+    return read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(out)}).replace(
+        img_size=list(shape), patch_size=1)  # no model here: any grid
+
+
+GRIDS = {  # name: (store options, preparation flags, grid prepared)
+    "native, ascending without poles": (dict(rows=8, cols=16, coarse=True), [], (8, 16)),
+    "native, with poles": (dict(rows=9, cols=16), [], (9, 16)),
+    "crop": (dict(rows=9, cols=16), ["--crop_rows", "8"], (8, 16)),
+    "coarsen": (dict(rows=9, cols=16), ["--crop_rows", "8", "--coarsen", "2"], (4, 8)),
+}
+
+
+@pytest.fixture(scope="module", params=list(GRIDS))
+def saved(request, tmp_path_factory):
+    """(grid option, source store, forecast store, truth store): the forecasts are the
+    truth itself (so every valid time can be compared), written as inference.py does."""
+    import xarray as xr
+
+    options, flags, shape = GRIDS[request.param]
+    root = tmp_path_factory.mktemp("grids")
+    source = wb2_zarr(root / "source.zarr", [2017, 2018], days=3, **options)
+    prepare_era5.main([str(source), str(root / "out"), "--train_years", "2017",
+                       "--test_years", "2018", "--max_samples", "12", *flags])
+    cfg = config(root / "out", shape)
+    data = RolloutData(cfg, cfg.inf_data_path)
+    ics = data.pick(4, LEAD)
+    hours = data.valid_times(ics, LEAD)[0]
+    norm = Normaliser(cfg, torch.device("cpu"))
+    physical = data.read(ics, LEAD) * norm.stds.view(1, 1, -1, 1, 1) + norm.means.view(
+        1, 1, -1, 1, 1)
+    channels = data.channel_names()
+    create_store(str(root / "forecasts.zarr"), hours[:, 0], data.lead_hours(LEAD), norm.grid,
+                 channels)
+    write_forecasts(str(root / "forecasts.zarr"), 0, physical.numpy(), channels)
+    assert write_truth(str(root / "truth.zarr"), data, hours, norm.grid, channels) == \
+        len(np.unique(hours))
+    data.close()
+    return (request.param, xr.open_zarr(source), xr.open_zarr(root / "forecasts.zarr"),
+            xr.open_zarr(root / "truth.zarr"))
+
+
+def test_every_grid_is_scored_by_weatherbench2s_rule_against_the_truth_store(saved):
+    option, _, forecasts, truth = saved
+    forecasts, truth = wb2_rule(forecasts, truth)
+    for k, lead in enumerate(forecasts.prediction_timedelta.values):
+        valid = forecasts.time.values + lead
+        for name in VARIABLES:  # the forecasts are the truth (normalised and back, float32)
+            np.testing.assert_allclose(
+                forecasts[name].isel(prediction_timedelta=k).values,
+                truth[name].sel(time=valid).values, rtol=1e-5, atol=1e-4,
+                err_msg=f"{option}: {name} +{k}")
+    assert truth["relative_humidity"].attrs["units"] == "1"
+    assert 0.1 < float(truth["relative_humidity"].mean()) < 1  # a fraction, as WB2's
+    assert truth["geopotential"].attrs["units"] == "m**2 s**-2"
+    with pytest.raises(KeyError):  # WeatherBench-2's default levels: 700 hPa is not there
+        wb2_rule(*saved[2:], levels=[500, 700, 850])
+
+
+def test_on_the_native_grid_the_source_store_serves_as_the_truth(saved):
+    option, source, forecasts, truth = saved
+    if not option.startswith("native"):
+        with pytest.raises(AssertionError):  # a crop or block means: another grid
+            wb2_rule(forecasts, source)
+        return
+    forecasts, source = wb2_rule(forecasts, source)
+    _, truth = wb2_rule(forecasts, truth)
+    for name in VARIABLES:
+        np.testing.assert_allclose(truth[name].values,
+                                   source[name].sel(time=truth.time).transpose(
+                                       *truth[name].dims).values, rtol=1e-6)
+
+
+def test_a_rollout_from_late_december_reads_its_truth_from_the_next_year(tmp_path):
+    source = wb2_zarr(tmp_path / "wb2.zarr", [2015, 2016, 2017], rows=3, cols=4,
+                      chunk_time=1464)
+    out = tmp_path / "out"
+    prepare_era5.main([str(source), str(out), "--train_years", "2015", "--test_years",
+                       "2016-2017", "--batch_size", "512"])
+    cfg = config(out, (3, 4))
+    data = RolloutData(cfg, cfg.inf_data_path)
+    lead = 8
+    ics = data.candidates(lead)
+    assert len(ics) == 1464 + 1460 - lead  # 2016 to its last sample; 2017 up to its end
+    last = [ic for ic in ics if ic.file.endswith("2016.h5")][-1]
+    assert last.index == 1463  # 2016-12-31T18
+    hours = data.valid_times([last], lead)[0][0]
+    assert (np.diff(hours) == 6).all()
+    start = np.datetime64("1970-01-01T00", "h") + int(hours[0]) * np.timedelta64(1, "h")
+    assert start == np.datetime64("2016-12-31T18", "h")
+    window = data.read([last], lead)[0]
+    physical = data.read_at(hours)
+    means, stds = data.means, data.stds
+    np.testing.assert_allclose(window.numpy(), (physical - means) / stds, rtol=1e-6,
+                               atol=1e-6)
+    assert ics[-1].file.endswith("2017.h5") and ics[-1].index == 1460 - lead - 1
+    data.close()
+
+
+# ------------------------------------------------------------------ climatology store
+@pytest.fixture(scope="module")
+def prepared_with_poles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clim")
+    source = wb2_zarr(root / "source.zarr", [2017, 2018], rows=9, cols=16, days=3)
+    prepare_era5.main([str(source), str(root / "out"), "--train_years", "2017",
+                       "--test_years", "2018", "--max_samples", "12", "--crop_rows", "8"])
+    lat, lon = grid(9, 16)
+    return root, wb2_climatology(root / "clim.zarr", lat[::-1].copy(), lon)  # ascending
+
+
+def test_weatherbench2s_climatology_store_is_the_anomaly_reference(prepared_with_poles):
+    """At each valid time: the entry of its day of year and hour, on the data's grid (a
+    crop of the store's), relative humidity in percent, in the scores' units."""
+    root, store = prepared_with_poles
+    cfg = config(root / "out", (8, 16))
+    norm = Normaliser(cfg, torch.device("cpu"))
+    data = RolloutData(cfg, cfg.inf_data_path)
+    channels = data.channel_names()
+    refs = References(cfg, norm, channels, Tile.whole((8, 16)), store=str(store))
+    assert refs.channels == [*CHANNEL_NAMES, "ws10"] and "day of year x hour" in refs.kind
+    ics = data.pick(2, LEAD)
+    hours, phase, hour = data.valid_times(ics, LEAD)
+    got = refs.climatology(phase, hour, hours).double()
+    day, hh = day_and_hour(hours)
+    assert day[0, 0] == 1 and list(hh[0]) == [0, 6, 12, 18][:LEAD + 1]
+    lat, lon = norm.grid.latitude, norm.grid.longitude
+    for c, name in enumerate(refs.channels):
+        physical = clim_known(name, day, hh, lat, lon).astype(np.float64)
+        scored = (physical - refs.offset[c].item()) / refs.scale[c].item()
+        np.testing.assert_allclose(got[:, :, c].numpy(), scored, rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+    data.close()
+
+
+def test_a_climatology_store_on_another_grid_is_refused_in_one_line(prepared_with_poles,
+                                                                    tmp_path):
+    root, _ = prepared_with_poles
+    lat, lon = grid(9, 16)
+    coarse = wb2_climatology(tmp_path / "coarse.zarr", lat[::2].copy(), lon[::2].copy())
+    cfg = config(root / "out", (8, 16))
+    norm = Normaliser(cfg, torch.device("cpu"))
+    with pytest.raises(DataError, match=r"coarse.zarr: its latitude \(5 values, -90 .. 90\) "
+                                        r"has no 67.5, a latitude of the grid scored"):
+        References(cfg, norm, list(CHANNEL_NAMES), Tile.whole((8, 16)), store=str(coarse))

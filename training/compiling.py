@@ -1,0 +1,66 @@
+"""torch.compile, decided here for the whole run: what compiles (the model, the loss) and
+where the compiled kernels are kept. Nothing else in the project calls torch.compile.
+
+`enable_jit` compiles
+  - the model, after DDP has wrapped it (`training.run.wrap_model`): Dynamo then splits the
+    graph at DDP's gradient buckets, so their all-reduces still overlap the backward;
+  - the loss, when the fields it sees are the whole grid: one pass over the output instead
+    of one per small op. On a spatial mesh the loss holds a collective (its sums over the
+    tiles) and stays eager.
+Validation runs both eagerly (`utils.model_wrappers.uncompiled`): compiling their no-grad
+variants would cost a second compile for little gain (docs/benchmarks.md, torch.compile).
+
+Where the kernels are kept: Inductor's on-disk caches (the FX graph cache of compiled kernels
+and the AOTAutograd cache of forward/backward graphs; on a GPU the Triton kernels are bundled
+into the former) live in `TORCHINDUCTOR_CACHE_DIR`. PyTorch's default is a directory under
+/tmp, which a cluster node wipes or never shares, so every job would compile from scratch.
+Unless the user or the site preset already chose a directory, a run uses
+`<log root>/torch_compile_cache`: on the shared file system, the same for every rank and
+every later job. Dynamo's Python-bytecode tracing is not cached; that part is paid by every
+job (training/compile_cost.py shows both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from utils.config_schema import Config
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHE_SUBDIR = "torch_compile_cache"
+
+
+def use_compile_cache(expdir: str) -> str:
+    """Point Inductor's caches at `<expdir>/torch_compile_cache` unless TORCHINDUCTOR_CACHE_DIR
+    is set; returns the directory in use. Must run before anything asks Inductor for its
+    cache directory: the first `torch.compile`, and (PyTorch 2.13) constructing DDP. Inductor
+    then sets the variable to its /tmp default, and every later caller keeps that."""
+    if not os.environ.get(CACHE_ENV):
+        os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR))
+    return os.environ[CACHE_ENV]
+
+
+def prepare(cfg: Config) -> None:
+    """Before the model is wrapped (DDP asks Inductor for its cache directory): a run that
+    compiles keeps its kernels under its log root."""
+    if cfg.enable_jit:
+        use_compile_cache(cfg.expdir)
+
+
+def compile_model(model: nn.Module, cfg: Config) -> nn.Module:
+    """The model as training runs it: compiled with `enable_jit`, else itself."""
+    return _compiled(model, cfg) if cfg.enable_jit else model
+
+
+def compile_loss(loss: nn.Module, cfg: Config, whole_grid: bool) -> nn.Module:
+    """The loss as training runs it: compiled with `enable_jit` when its fields are the
+    `whole_grid`; on a mesh's tiles it stays eager (module docstring)."""
+    return _compiled(loss, cfg) if cfg.enable_jit and whole_grid else loss
+
+
+def _compiled(module: nn.Module, cfg: Config) -> nn.Module:
+    prepare(cfg)
+    return torch.compile(module)
