@@ -1,4 +1,5 @@
 # Two commands a user needs: `make train` and `make test`. Both create .venv/ when missing.
+# `make train` trains CONFIG (default cpu_quickstart: beats persistence in a couple of minutes);
 # `make evaluate` scores the 5-day forecasts of the newest run of CONFIG (inference.py); every
 # `make train` is a new run, logs/<CONFIG>/1CPU/00, 01, ... (README: Runs).
 # On a GPU node, `make test-gpu` first (tests/gpu, about 30 minutes; PY=<python> to use another
@@ -9,12 +10,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= datasets/synthetic
-CONFIG ?= cpu_short
+CONFIG ?= cpu_quickstart
 
 # The unit tier is every test without a tier marker (pyproject.toml lists the markers).
 UNIT := not distributed and not e2e and not slurm and not gpu
 
-.PHONY: venv data train evaluate test test-fast test-dist test-e2e test-gpu lint bench clean
+.PHONY: venv data train evaluate tutorial test test-fast test-dist test-e2e test-gpu lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,12 @@ train: venv data
 
 evaluate: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) inference.py --config=$(CONFIG)
+
+# The README walked as a newcomer walks it: every CPU command of its steps, as written, in a
+# fresh copy; prints each one's exit code, time and what it shows (docs/tutorial_walk.md).
+# About half an hour on 2 cores; not part of `make test`.
+tutorial: venv data
+	$(PY) -m tools.tutorial_walk
 
 # Everything (what CI runs): unit, distributed, e2e and SLURM; tests/gpu skips without CUDA.
 test: venv

@@ -73,13 +73,12 @@ from evaluation.scores import Normaliser, whole_field
 from evaluation.truth_file import write_truth
 from networks.rollout import rollout
 from training.checkpoint import (
-    checkpoint_dir,
     latest_checkpoint,
     load_model_weights,
     read_checkpoint,
 )
 from training.logs import config_logger, log_to_file
-from training.run_dirs import newest_checkpointed
+from training.run_dirs import checkpoint_of_run, newest_checkpointed
 from training.script_exit import run_main
 from utils.config import read_config, saved_config
 from utils.config_schema import Config
@@ -97,10 +96,7 @@ def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) 
     if args.checkpoint:
         return args.checkpoint
     if args.run_dir:
-        path = latest_checkpoint(args.run_dir)
-        if path is None:
-            raise CheckpointError(f"no checkpoint in {checkpoint_dir(args.run_dir)} (--run_dir)")
-        return path
+        return checkpoint_of_run(args.run_dir)
     if args.config is None:
         raise ConfigError("which model? give --run_dir RUN_DIR, --checkpoint FILE or --config NAME")
     cfg = read_config(args.yaml_config, args.config)
@@ -108,7 +104,8 @@ def locate_checkpoint(args: argparse.Namespace, notes: list[str] | None = None) 
     runs = [r for r in sorted(glob.glob(pattern)) if latest_checkpoint(r)]
     if not runs:
         raise CheckpointError(f"no checkpoint in {pattern}/checkpoints: train the config "
-                              "first (set LOG_DIR as for training), or give --run_dir/--checkpoint")
+                              "first (set LOG_DIR as for training), or give --run_dir/--checkpoint",
+                              every_rank=True)
     if args.run_num and len(runs) > 1:
         raise ConfigError(f"{len(runs)} runs of {args.config} named {args.run_num}: "
                           f"{', '.join(runs)}; choose one with --run_dir")

@@ -177,11 +177,17 @@ def _restore(run: Training, saved: dict) -> None:
         run.scaler.load_state_dict(saved["scaler"])  # fills the scale tensor in place
 
 
+class EagerStep(Step):
+    """Without a GPU: train_mp.py's eager step, said once per job in the run's log."""
+
+    def prepare(self, run: Training) -> None:
+        log.info("CUDA graphs need a GPU: no CUDA device here, so this runs train_mp.py's "
+                 "step eagerly (same results, no graph capture)")
+
+
 def main(cfg: Config) -> None:
     if not torch.cuda.is_available():
-        log.warning("CUDA graphs need a GPU: no CUDA device here, so this runs train_mp.py's "
-                    "step eagerly (same results, no graph capture)")
-        return train_mp.main(cfg)
+        return train_mp.main(cfg, step=EagerStep())
     step = GraphedStep(cfg.graph_warmup)
     try:
         return train_mp.main(cfg, step=step)

@@ -40,7 +40,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
+
+from training.profiling import quiet_profile
 
 STEP_RANGE = "bench: full step"
 LOADER_RANGE = "bench: next batch"
@@ -180,7 +182,7 @@ def split_events(events, steps: int = 1) -> Split:
 
 def profile_split(step: Callable[[], None], steps: int = 2) -> Split:
     """Run `step` `steps` times under the profiler; its `Split` per step."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function(STEP_RANGE):
                 step()

@@ -60,6 +60,7 @@ def test_bench_step_reports_both_ceilings_and_the_time_split(bench_data: Path) -
            "| Python+framework | dtype casts |" in out
     assert "elementwise+norm by cause" in out
     assert "| casts | layout reorders | norms | activations | softmax | loss |" in out
+    assert "USDT" not in proc.stdout + proc.stderr  # the profiler's tracer markers
 
 
 @pytest.mark.e2e

@@ -148,6 +148,19 @@ def test_cpu_mp_model_is_bigger_than_cpu_base():
     assert params_for("cpu_short_mp").embed_dim == mp.embed_dim
 
 
+def test_cpu_mp_patch4_mirrors_mp_patch4():
+    """Patch 4 quadruples the sequence; with no data parallelism left (cp 2 on 2 processes,
+    the README's step 9) the batch is mp_patch4's, the lr by the square-root rule."""
+    cpu, gpu, mp = params_for("cpu_mp_patch4"), params_for("mp_patch4"), params_for("cpu_mp")
+
+    def tokens(p: Config) -> int:
+        return (p.img_size[0] // p.patch_size) * (p.img_size[1] // p.patch_size)
+
+    assert cpu.patch_size == gpu.patch_size == 4 and tokens(cpu) == 4 * tokens(mp)
+    assert (cpu.global_batch_size, cpu.lr) == (gpu.global_batch_size, gpu.lr) == (4, 2.5e-4)
+    assert cpu.embed_dim == mp.embed_dim
+
+
 def test_tiny_config_is_small_and_consistent():
     p = params_for("tiny")
     assert p.img_size == [16, 32] and p.patch_size == 4

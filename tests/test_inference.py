@@ -245,6 +245,19 @@ def test_a_user_error_ends_the_script_with_one_line_and_exit_code_2(serial_run, 
 
 @pytest.mark.e2e
 @pytest.mark.distributed
+def test_a_missing_run_dir_is_one_line_per_torchrun_job(tiny_data, tmp_path):
+    """The README's step-12 mistake: a run directory that does not exist, under torchrun.
+    One line (not one per rank), saying that the directory, not a checkpoint, is missing."""
+    missing = tmp_path / "logs" / "cpu_mp" / "2CPU" / "00"
+    result = run_script("inference.py", [f"--run_dir={missing}", "--tp=2"], data_dir=tiny_data,
+                        log_dir=tmp_path / "logs", nproc=2, timeout=TIMEOUT)
+    assert result.returncode == 1, result.output[-3000:]  # torchrun: a worker failed
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert errors == [f"error: no run directory {missing} (--run_dir)"], result.output[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
 def test_an_afno_scores_and_saves_the_same_on_a_spatial_mesh(tiny_data, tmp_path_factory):
     """h = 2: each rank rolls out and scores its tile of rows, with those rows' weights of
     every region; the sums over the mesh and the gathered forecasts are the serial ones."""

@@ -79,8 +79,31 @@ def test_no_model_named_is_a_config_error():
 
 
 def test_a_run_dir_without_checkpoints_is_a_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/checkpoints"):
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/checkpoints "
+                                              r"\(--run_dir\): the run has saved none yet"):
         inference.locate_checkpoint(args(f"--run_dir={tmp_path}"))
+
+
+def test_a_missing_run_dir_says_so_and_names_the_runs_beside_it(run_dir):
+    """A mistyped run directory (here the world size and the name of a tp run) is not "no
+    checkpoint": the error says the directory is missing and which runs there are."""
+    logs = run_dir.parent.parent  # <LOG_DIR>/tiny
+    shutil.copytree(run_dir, logs / "4CPU" / "00-tp=2")
+    wrong = logs / "2CPU" / "00"
+    with pytest.raises(CheckpointError) as e:
+        inference.locate_checkpoint(args(f"--run_dir={wrong}"))
+    assert str(e.value) == (f"no run directory {wrong} (--run_dir); runs with checkpoints in "
+                            f"{logs}: 1CPU/00, 4CPU/00-tp=2")
+
+
+@pytest.mark.parametrize("flags", [("--run_dir=/nonexistent/run",), ("--config=tiny",
+                                                                      "--run_num=07")])
+def test_a_missing_run_or_checkpoint_is_raised_alike_by_every_rank(run_dir, flags):
+    """Every rank looks at the same path before any process group exists: one rank (0)
+    prints the line for the job (training/script_exit.py)."""
+    with pytest.raises(CheckpointError) as e:
+        inference.locate_checkpoint(args(*flags))
+    assert e.value.every_rank
 
 
 def test_the_saved_config_is_relocated_by_data_dir_and_evaluated_serially(run_dir, tiny_data):

@@ -133,7 +133,24 @@ def test_native_or_fp32_choices_do_not_warn(caplog):
     with caplog.at_level(logging.INFO, logger="train"):
         for mode in ("bf16", "none"):
             choose_precision(mode, CPU, cpu)
-    assert not caplog.records
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
+
+
+@pytest.mark.parametrize("mode, native, line", [
+    ("bf16", {"bf16"}, "Precision: bf16 autocast (amp_mode bf16: native on this CPU (flags))"),
+    ("none", {"bf16"}, "Precision: fp32, no autocast (amp_mode none)"),
+    ("auto", {"bf16"}, "Precision: bf16 autocast (amp_mode auto -> bf16: native on this CPU "
+                       "(flags))"),
+    ("auto", set(), "Precision: fp32, no autocast (amp_mode auto -> none: no native bf16 on "
+                    "this CPU (flags))"),
+    ("bf16", set(), "Precision: bf16 autocast, but amp_mode bf16 is emulated on this CPU"),
+])
+def test_every_choice_says_the_precision_in_one_line(caplog, mode, native, line):
+    warn_emulated.cache_clear()
+    with caplog.at_level(logging.INFO, logger="train"):
+        choose_precision(mode, CPU, CpuPrecision(frozenset(native), "flags"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
 def test_the_slowdown_probe_measures_both_precisions():

@@ -34,6 +34,7 @@ def test_profiled_tiny_run_writes_a_trace_with_the_step_ranges(run_train):
         assert name in names, f"range '{name}' missing from the trace"
     assert sum(1 for n in names if n and n.startswith("step ")) == 8  # one range per step
     assert "Time per range and top operators" in run.output
+    assert "USDT" not in run.output  # the profiler's tracer markers (profiler_start/stop)
     # The summary's first table is the named ranges (not aten operators): the 8 steps as
     # one row, then each range of the step, each called once per step.
     table = run.output.split("Time per range and top operators in the window:\n")[1]

@@ -18,6 +18,9 @@ import glob
 import logging
 import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,7 +74,8 @@ class StepProfiler:
         handler = torch.profiler.tensorboard_trace_handler(self.trace_dir, self.trace_name)
         self._torch_prof = torch.profiler.profile(activities=activities, on_trace_ready=handler,
                                                   record_shapes=False, with_stack=False)
-        self._torch_prof.__enter__()
+        with without_trace_markers():
+            self._torch_prof.__enter__()
         log.info(f"Profiling epoch {epoch}")
 
     def epoch_end(self) -> None:
@@ -82,7 +86,8 @@ class StepProfiler:
             torch.cuda.profiler.stop()
             log.info("Profiling window closed (nsys capture range ends here)")
             return
-        self._torch_prof.__exit__(None, None, None)
+        with without_trace_markers():
+            self._torch_prof.__exit__(None, None, None)
         log.info(f"torch.profiler trace written to {self.trace_file()} "
                  "(open it in https://ui.perfetto.dev or chrome://tracing)")
         log.info("Time per range and top operators in the window:\n" + self.summary())
@@ -99,6 +104,46 @@ class StepProfiler:
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         return range_table(events, self._names) + "\n\n" + events.table(sort_by=sort,
                                                                        row_limit=rows)
+
+
+TRACE_MARKER = "USDT:"
+
+
+@contextlib.contextmanager
+def without_trace_markers() -> Iterator[None]:
+    """Starting and stopping torch.profiler, without the marker lines its tracer (Kineto)
+    writes to stderr at both: `USDT: ... profiler_start` / `profiler_stop`, hooks for
+    user-space tracing tools, logged above every severity (KINETO_LOG_LEVEL could silence
+    them only with Kineto's errors). The process's stderr is caught meanwhile; every other
+    line is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode(errors="replace")
+            sys.stderr.write("".join(line for line in text.splitlines(keepends=True)
+                                     if not line.startswith(TRACE_MARKER)))
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def quiet_profile(**kwargs: Any) -> Iterator[torch.profiler.profile]:
+    """`torch.profiler.profile(**kwargs)` as a context, without the tracer's marker lines."""
+    prof = torch.profiler.profile(**kwargs)
+    with without_trace_markers():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with without_trace_markers():
+            prof.__exit__(None, None, None)
 
 
 def range_table(events: Any, names: set[str]) -> str:

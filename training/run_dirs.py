@@ -21,6 +21,7 @@ run of this config and world size. Anything else starts a new run.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distributed.launch_env import slurm_restarts
-from training.checkpoint_files import latest_checkpoint
+from training.checkpoint_files import checkpoint_dir, latest_checkpoint
+from utils.errors import CheckpointError
 
 # Config-key flags that say how long a run is or how it is kept, not what it trains (the
 # CUDA graph's warm-up steps are undone before training starts).
@@ -139,6 +141,39 @@ def newest_checkpointed(run_dirs: list[str]) -> str | None:
     runs = [(os.path.getmtime(ckpt), run) for run in run_dirs
             if (ckpt := latest_checkpoint(run))]
     return max(runs)[1] if runs else None
+
+
+def checkpoint_of_run(run_dir: str, flag: str = "--run_dir") -> str:
+    """The newest checkpoint of the run directory `run_dir` (given by `flag`). What is
+    missing, the directory or its checkpoints, is a CheckpointError that every rank of a
+    job raises alike (they look at the same path), so the job prints it once."""
+    if not os.path.isdir(run_dir):
+        raise CheckpointError(f"no run directory {run_dir} ({flag}){runs_near(run_dir)}",
+                              every_rank=True)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)} ({flag}): the run "
+                              "has saved none yet (it saves one every checkpoint_interval "
+                              "iterations and at its end)", every_rank=True)
+    return path
+
+
+def runs_near(path: str, levels: int = 2, shown: int = 6) -> str:
+    """'; runs with checkpoints in <dir>: a, b' for the nearest existing directory above
+    `path` (at most `levels` up): what a mistyped --run_dir probably meant. '' if none."""
+    parent = os.path.dirname(os.path.normpath(path))
+    for _ in range(levels):
+        if os.path.isdir(parent or "."):
+            found = sorted({os.path.relpath(os.path.dirname(os.path.dirname(c)), parent or ".")
+                            for depth in ("*", os.path.join("*", "*"))
+                            for c in glob.glob(os.path.join(parent or ".", depth,
+                                                            "checkpoints", "ckpt_*.pt"))})
+            if found:
+                more = f" and {len(found) - shown} more" if len(found) > shown else ""
+                return f"; runs with checkpoints in {parent}: {', '.join(found[:shown])}{more}"
+            return ""
+        parent = os.path.dirname(parent)
+    return ""
 
 
 def _names(parent: str) -> list[str]:

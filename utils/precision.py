@@ -56,28 +56,37 @@ class Precision:
 
 def choose_precision(amp_mode: str, device: torch.device,
                      cpu: CpuPrecision | None = None) -> Precision:
-    """The config's `amp_mode` on `device`: 'auto' becomes this hardware's choice, said in
-    the log; a precision a CPU only emulates gets a warning (one line, once per process and
-    mode) with the slowdown a 1-second matmul probe measured."""
+    """The config's `amp_mode` on `device`, said in one log line (`Precision: ...`): 'auto'
+    becomes this hardware's choice, with why; a precision a CPU only emulates is said as a
+    warning (once per process and mode) with the slowdown a 1-second matmul probe measured."""
     if device.type != "cpu":
         mode = auto_amp_mode(device) if amp_mode == "auto" else amp_mode
+        chosen = f"amp_mode auto -> {mode}" if amp_mode == "auto" else f"amp_mode {mode}"
+        log.info(f"Precision: {describe(mode)} on {device.type} ({chosen})")
         return Precision(mode, device.type)
     cpu = cpu or cpu_precision()
-    mode = amp_mode
-    if amp_mode == "auto":
-        mode = auto_amp_mode(device, cpu)
-        why = (f"native on this CPU ({cpu.evidence})" if mode != "none" else
-               f"no native bf16 on this CPU ({cpu.evidence})")
-        log.info(f"amp_mode auto -> {mode}: {why}")
-    elif mode != "none" and not cpu.is_native(mode):
+    mode = auto_amp_mode(device, cpu) if amp_mode == "auto" else amp_mode
+    if mode != "none" and not cpu.is_native(mode):
         warn_emulated(mode, cpu)
+        return Precision(mode, device.type)
+    why = (f"native on this CPU ({cpu.evidence})" if mode != "none" else
+           f"no native bf16 on this CPU ({cpu.evidence})" if amp_mode == "auto" else "")
+    chosen = f"amp_mode auto -> {mode}" if amp_mode == "auto" else f"amp_mode {mode}"
+    log.info(f"Precision: {describe(mode)} ({chosen}{': ' + why if why else ''})")
     return Precision(mode, device.type)
+
+
+def describe(mode: str) -> str:
+    """What the step computes in, for the log."""
+    return {"none": "fp32, no autocast", "bf16": "bf16 autocast",
+            "fp16": "fp16 autocast with loss scaling"}[mode]
 
 
 @functools.cache
 def warn_emulated(mode: str, cpu: CpuPrecision) -> None:
     rates = measure_slowdown(mode)
-    log.warning(f"amp_mode {mode} is emulated on this CPU ({cpu_name()}; {cpu.evidence}): "
-                f"a {rates.n}^3 matmul measured {rates.slowdown:.1f}x the time of fp32 "
-                f"({rates.reduced:.1f} vs {rates.fp32:.1f} GFLOP/s); amp_mode auto "
-                f"picks {auto_amp_mode(torch.device('cpu'), cpu)} here")
+    log.warning(f"Precision: {describe(mode)}, but amp_mode {mode} is emulated on this CPU "
+                f"({cpu_name()}; {cpu.evidence}): a {rates.n}^3 matmul measured "
+                f"{rates.slowdown:.1f}x the time of fp32 ({rates.reduced:.1f} vs "
+                f"{rates.fp32:.1f} GFLOP/s); amp_mode auto picks "
+                f"{auto_amp_mode(torch.device('cpu'), cpu)} here")

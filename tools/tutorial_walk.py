@@ -1,0 +1,386 @@
+"""Walk the README's tutorial as a newcomer would: every CPU command of its steps (Quickstart
+to step 12), exactly as the README writes it (tools/readme_commands.py reads them from it), in
+order, in a fresh copy of this checkout. Prints a table: the command, its exit status, wall
+time (and the time the README states), and whether what the README says to look at appeared.
+
+    make tutorial                                   # the same as:
+    python -m tools.tutorial_walk                   # ~30 min on 2 cores
+    python -m tools.tutorial_walk --steps 8 12      # some steps only (the later ones may
+                                                    # need the runs of earlier ones)
+    python -m tools.tutorial_walk --dry_run         # the plan: what runs, what is skipped
+
+The copy holds the tracked files of this checkout (uncommitted edits included) and links to
+its `.venv` and `datasets`, so no environment or data is rebuilt (a fresh clone's `make
+train` would build both first). Commands that need a cluster or a GPU are listed as skipped,
+with the reason. `tensorboard` is started, asked for its page, and stopped. Each command's
+output is kept in <copy>/tutorial_walk/NN.log; the table also goes to
+<copy>/tutorial_walk/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.readme_commands import Command, tutorial_commands
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 1800.0
+RUN_DIR = re.compile(r"Run directory (\S+) \(")
+EPOCH = re.compile(r"RMSE\(u10m\) model=([\d.]+) m/s, persistence=([\d.]+) m/s")
+
+
+@dataclass
+class Result:
+    command: Command
+    status: str  # exit code, "skipped", "timeout"
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0  # user + system time of the command and what it started
+    load: str = ""  # 1-minute load average when the command ended
+    looked: str = ""  # what the README says to look at, and whether it appeared
+    ok: bool = True
+
+
+# ----------------------------------------------------------------- what to look at
+Check = Callable[[str, Path], tuple[bool, str]]
+
+
+def verdict(ok: bool, what: str) -> tuple[bool, str]:
+    return ok, f"{what}: {'yes' if ok else 'NO'}"
+
+
+def line(pattern: str, what: str) -> Check:
+    """The output has a line matching `pattern`."""
+    def check(out: str, cwd: Path) -> tuple[bool, str]:
+        return verdict(re.search(pattern, out) is not None, what)
+    return check
+
+
+def epoch_lines(must_beat: bool) -> Check:
+    """The epoch lines' RMSE(u10m) against persistence, at the last epoch."""
+    def check(out: str, cwd: Path) -> tuple[bool, str]:
+        found = EPOCH.findall(out)
+        if not found:
+            return verdict(False, "epoch lines (RMSE(u10m) vs persistence)")
+        model, persistence = map(float, found[-1])
+        where = "below" if model < persistence else "above"
+        text = f"RMSE(u10m) {model:.3f} m/s, {where} persistence's {persistence:.3f}"
+        if must_beat:
+            return verdict(model < persistence, f"{text}; below persistence")
+        return True, text
+    return check
+
+
+def speed(out: str, cwd: Path) -> tuple[bool, str]:
+    """The median epoch speed after the first epoch (start-up and warm-up), for reference."""
+    rates = sorted(float(r) for r in re.findall(r"avg ([\d.]+) samples/sec", out)[1:])
+    return True, f"median {rates[len(rates) // 2]:.1f} samples/s" if rates else "no epoch speed"
+
+
+def file_logged(pattern: str, what: str) -> Check:
+    """The output names a file (the first group of `pattern`) that exists."""
+    def check(out: str, cwd: Path) -> tuple[bool, str]:
+        m = re.search(pattern, out)
+        return verdict(bool(m and (cwd / m.group(1)).exists()), what)
+    return check
+
+
+def forecast_files(out: str, cwd: Path) -> tuple[bool, str]:
+    m = re.search(r"and tensorboard/ to (\S+)", out)
+    names = ("skill_vs_lead.png", "skill.csv")
+    ok = bool(m) and all((cwd / m.group(1) / n).exists() for n in names)
+    return verdict(ok, "<run dir>/forecast/ skill_vs_lead.png, skill.csv")
+
+
+def run_dir_named(name: str) -> Check:
+    """The run's directory is the one the README's comment names."""
+    def check(out: str, cwd: Path) -> tuple[bool, str]:
+        m = RUN_DIR.search(out)
+        ok = bool(m) and (m.group(1) == name or m.group(1).endswith("/" + name))
+        return verdict(ok, f"run directory {name}")
+    return check
+
+
+def trains(t: str) -> bool:
+    return bool(re.search(r"\btrain(_mp|_mp_graphs)?\.py\b", t)) or t == "make train"
+
+
+# (does it apply to this command?, the check), in the order the table shows them.
+LOOKS: list[tuple[Callable[[str], bool], Check]] = [
+    (trains, line(r"Finished \d+ iterations", "Finished N iterations")),
+    (trains, speed),
+    (lambda t: "ENABLE_PROFILING=1" in t,
+     file_logged(r"torch.profiler trace written to (\S+) ", "trace file")),
+    (lambda t: "ENABLE_PROFILING=1" in t,
+     line(r"Time per range and top operators", "range and operator tables")),
+    (lambda t: "--num_data_workers" in t or "dali" in t,
+     line(r"avg [\d.]+ samples/sec", "Avg samples per sec")),
+    (lambda t: "--amp_mode" in t, line(r"Precision: ", "the precision line")),
+    (lambda t: "--enable_jit" in t,
+     line(r"First step done [\d.]+ s after the process started; torch.compile [\d.]+ s",
+          "First step done ...; torch.compile ... s")),
+    (lambda t: "bench.bench_loader" in t,
+     line(r"pytorch\s+2\s+\d+\s+[\d.]+\s+[\d.]+", "loader samples/s, 2 workers")),
+    (lambda t: "bench.bench_step" in t,
+     line(r"\| setting \| precision \| samples/s", "the ladder table")),
+    (lambda t: re.search(r"(torchrun|mpirun) .*\btrain\.py", t) is not None,
+     line(r"world size 2 \(\w+ launcher\), global batch 32, local batch 16",
+          "global and local batch")),
+    (lambda t: "train_mp" in t, line(r"Layout: DP = \d+, TP = \d+, CP = \d+", "Layout line")),
+    (lambda t: "train_mp.py" in t and "--tp 2" in t,
+     line(r"Parameters on this rank", "parameters per rank")),
+    (lambda t: "train_mp_graphs.py" in t,
+     line(r"CUDA graphs need a GPU", "the line saying it runs eagerly")),
+    (lambda t: "bench.bench_mp" in t or "bench.bench_spatial" in t,
+     line(r"\| peak RSS/rank \(GB\) \|", "memory per rank table")),
+    (lambda t: "inference.py" in t or t.startswith("make evaluate"), forecast_files),
+    (lambda t: "inference.py" in t or t.startswith("make evaluate"),
+     line(r": model RMSE above persistence .*; ACC below 0\.6 ", "where the skill runs out")),
+]
+
+
+def looks(c: Command) -> list[Check]:
+    """What the README says to look at after `c`, as checks of its output and files: the
+    epoch lines of a training run (`make train`'s must end below persistence), the run
+    directory a comment names (the ladder), and the lines and files of LOOKS."""
+    checks = [epoch_lines(must_beat=c.text == "make train")] if trains(c.text) else []
+    words = c.comment.split()
+    named = [w for w in words if re.fullmatch(r"logs/\S+/\d\d\S*", w)] or \
+        [w for w in words if re.fullmatch(r"\d\d(-\S+)?", w)]
+    checks += [run_dir_named(named[0])] if named else []
+    return checks + [check for applies, check in LOOKS if applies(c.text)]
+
+
+# ----------------------------------------------------------------- the copy and the runs
+def make_copy(dest: Path) -> None:
+    """This checkout's tracked files (as they are now) in `dest`, with links to its .venv
+    and datasets. The copied requirement files get the age of the venv's stamp, so that
+    `make` finds the linked environment up to date instead of rebuilding it."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    for shared in (".venv", "datasets"):
+        if (REPO / shared).exists():
+            (dest / shared).symlink_to((REPO / shared).resolve())
+    stamp = dest / ".venv" / ".installed"
+    if stamp.exists():
+        age = stamp.stat().st_mtime - 1
+        for name in ("requirements.txt", "requirements-dev.txt"):
+            os.utime(dest / name, (age, age))
+
+
+# The README's note for mpirun as root (step 7): Open MPI refuses to start without these.
+AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def environment(copy: Path) -> dict[str, str]:
+    """A shell with the venv activated (what `source .venv/bin/activate` gives), none of
+    the variables that would move the README's paths (LOG_DIR, DATA_DIR), and, as root,
+    the two variables the README says mpirun needs then."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOG_DIR", "DATA_DIR", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")}
+    env["VIRTUAL_ENV"] = str(copy / ".venv")
+    env["PATH"] = f"{copy / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    if os.geteuid() == 0:
+        env.update(AS_ROOT)
+    return env
+
+
+def run(command: str, copy: Path, log: Path, timeout: float) -> tuple[str, float]:
+    """Run `command` in bash in the copy; (status, seconds). Its output goes to `log`."""
+    start = time.monotonic()
+    with open(log, "w") as out:
+        out.write(f"$ {command}\n")
+        out.flush()
+        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=environment(copy),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            return "timeout", time.monotonic() - start
+    return str(code), time.monotonic() - start
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End `proc` and everything it started (its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+def serve(command: str, copy: Path, log: Path, wait: float = 120.0) -> tuple[str, float, str]:
+    """Start a server command (tensorboard), ask for its page, stop it."""
+    start = time.monotonic()
+    with open(log, "w") as out:
+        out.write(f"$ {command}\n")
+        out.flush()
+        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=environment(copy),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = None
+    while url is None and time.monotonic() - start < wait and proc.poll() is None:
+        time.sleep(1)
+        m = re.search(r"(http://\S+:\d+/)", log.read_text())
+        url = m.group(1) if m else None
+    answer = ""
+    if url:
+        try:
+            with urllib.request.urlopen(url.replace("0.0.0.0", "127.0.0.1"), timeout=30) as r:
+                answer = f"served its page ({url}: HTTP {r.status})"
+        except OSError as e:
+            answer = f"no page at {url} ({e})"
+    code = proc.poll()
+    stop(proc)
+    status = "served" if answer.startswith("served") else str(code)
+    return status, time.monotonic() - start, answer or "no URL printed"
+
+
+def walk(copy: Path, commands: list[Command], timeout: float) -> list[Result]:
+    results: list[Result] = []
+    logs = copy / "tutorial_walk"
+    logs.mkdir(exist_ok=True)
+    for i, c in enumerate(commands):
+        if c.skip:
+            results.append(Result(c, "skipped", looked=c.skip))
+            continue
+        if c.fresh_dir and (copy / c.fresh_dir).exists():  # "in a fresh `logs/...`"
+            aside = copy / f"{c.fresh_dir}-before-step-{c.step}"
+            (copy / c.fresh_dir).rename(aside)
+            c.notes.append(f"moved the earlier {c.fresh_dir} to {aside.name}, as the README "
+                           "asks for a fresh one")
+        log = logs / f"{i:02d}.log"
+        if "mpirun" in c.text.split() and os.geteuid() == 0:
+            c.notes.append("as root, with " + " ".join(f"{k}=1" for k in AS_ROOT))
+        cpu_before = children_cpu()
+        print(f"[{time.strftime('%H:%M:%S')}] step {c.step}: {c.text}", flush=True)
+        if c.text.startswith("tensorboard"):
+            status, seconds, looked = serve(c.text, copy, log)
+            result = Result(c, status, seconds, looked=looked, ok=status == "served")
+        else:
+            status, seconds = run(c.text, copy, log, timeout)
+            out = log.read_text(errors="replace")
+            verdicts = [check(out, copy) for check in looks(c)]
+            looked = "; ".join(text for _, text in verdicts)
+            result = Result(c, status, seconds, looked=looked or "(exit status)",
+                            ok=status == "0" and all(ok for ok, _ in verdicts))
+        result.load = open("/proc/loadavg").read().split()[0]
+        result.cpu_seconds = children_cpu() - cpu_before
+        results.append(result)
+        print(f"    -> {result.status} in {result.seconds:.0f} s (load {result.load}); "
+              f"{result.looked}", flush=True)
+    return results
+
+
+def children_cpu() -> float:
+    """CPU seconds used so far by this process's finished children (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ----------------------------------------------------------------- the report
+def machine() -> str:
+    """The CPU (lscpu's model name), the vector ISA torch uses, the cores."""
+    import torch
+
+    from utils.hardware import cpu_flags
+
+    name = "unknown CPU"
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    m = re.search(r"Model name:\s+(.+)", lscpu)
+    if m:
+        name = m.group(1).strip()
+    return (f"{name}, {os.cpu_count()} cores; torch {torch.__version__}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; flags: {cpu_flags()}")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| step | command | exit | wall | CPU | README says | load | what to look at |",
+            "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        c = r.command
+        said = c.stated_seconds
+        stated = "" if said is None else duration(said)
+        if said and r.seconds > 2 * said and r.status not in ("skipped",):
+            stated += " (>2x)"
+        wall, cpu = ("", "") if r.status == "skipped" else \
+            (duration(r.seconds), duration(r.cpu_seconds))
+        looked = r.looked + "".join(f"; {n}" for n in c.notes)
+        rows.append(f"| {c.step} | `{c.text}` | {r.status} | {wall} | {cpu} | {stated} | {r.load} "
+                    f"| {looked.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def summary(results: list[Result], seconds: float, loads: tuple[str, str]) -> str:
+    ran = [r for r in results if r.status != "skipped"]
+    failed = [r for r in ran if not r.ok]
+    return (f"{len(ran)} commands run, {len(results) - len(ran)} skipped, {len(failed)} "
+            f"failed or missing what to look at; {duration(seconds)} in all; load average "
+            f"{loads[0]} at the start, {loads[1]} at the end")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default=None,
+                   help="where the fresh copy goes (default: a new temporary directory)")
+    p.add_argument("--steps", nargs="+", default=None,
+                   help="run only these steps (quickstart, 1, ..., 12)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per command")
+    p.add_argument("--dry_run", action="store_true", help="print the plan, run nothing")
+    args = p.parse_args(argv)
+    commands = tutorial_commands(REPO)
+    if args.steps:
+        for c in commands:
+            if c.step not in args.steps and not c.skip:
+                c.skip = "not among --steps"
+    if args.dry_run:
+        for c in commands:
+            print(f"{c.step:>10}  {'skip: ' + c.skip if c.skip else 'run'}: {c.text}")
+        return 0
+    copy = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-walk-")).resolve()
+    copy.mkdir(parents=True, exist_ok=True)
+    if any(copy.iterdir()):
+        print(f"error: --workdir {copy} is not empty: the walk needs a fresh copy",
+              file=sys.stderr)
+        return 2
+    make_copy(copy)
+    print(f"A fresh copy in {copy}; {machine()}", flush=True)
+    load_start = open("/proc/loadavg").read().split()[0]
+    start = time.monotonic()
+    results = walk(copy, commands, args.timeout)
+    seconds = time.monotonic() - start
+    load_end = open("/proc/loadavg").read().split()[0]
+    report = (f"{machine()}\n\n{table(results)}\n\n"
+              f"{summary(results, seconds, (load_start, load_end))}\n")
+    (copy / "tutorial_walk" / "table.md").write_text(report)
+    print("\n" + report)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
