@@ -257,7 +257,7 @@ def test_the_readme_ladder_names_the_runs_as_train_py_names_them():
     """README step 6: each ladder command's comment is the directory it gets in a fresh
     logs/cpu_short/1CPU (the numbers in order, the labels from the flags)."""
     readme = (CONFIG_FILE.parent.parent / "README.md").read_text()
-    block = readme[readme.index("**The ladder as training runs"):readme.index("### 7.")]
+    block = readme[readme.index("**The ladder, one TensorBoard run"):readme.index("### 7.")]
     command = r"^python train\.py (--config=cpu_short(?=\s)(?: --\S+(?: [^-#\s]\S*)?)*)"
     commands = re.findall(command, block, flags=re.M)
     names = re.findall(r"#\s+(\d\d(?:-\S+)?)", block)
