@@ -103,3 +103,11 @@ def test_make_tutorial_runs_the_walk_and_make_test_does_not():
 def test_the_time_a_command_states_is_read_from_its_comment(comment, seconds):
     c = read_commands(f"## Quickstart\n```bash\nmake x   # {comment}\n```\n")[0]
     assert c.stated_seconds == seconds
+
+
+def test_the_report_names_the_cpu_its_isa_and_the_torch_build():
+    import torch
+
+    line = tutorial_walk.machine()
+    assert torch.__version__ in line and "native reduced precision:" in line, line
+    assert torch.backends.cpu.get_cpu_capability() in line, line

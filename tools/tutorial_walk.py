@@ -301,18 +301,13 @@ def children_cpu() -> float:
 
 # ----------------------------------------------------------------- the report
 def machine() -> str:
-    """The CPU (lscpu's model name), the vector ISA torch uses, the cores."""
+    """The CPU (model, vector ISA, cores), the torch build, the native reduced precisions."""
     import torch
 
-    from utils.hardware import cpu_flags
+    from utils.hardware import cpu_name, cpu_precision
 
-    name = "unknown CPU"
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    m = re.search(r"Model name:\s+(.+)", lscpu)
-    if m:
-        name = m.group(1).strip()
-    return (f"{name}, {os.cpu_count()} cores; torch {torch.__version__}, CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}; flags: {cpu_flags()}")
+    native = ", ".join(sorted(cpu_precision().native)) or "none"
+    return f"{cpu_name()}; torch {torch.__version__}; native reduced precision: {native}"
 
 
 def duration(seconds: float) -> str:
