@@ -132,6 +132,10 @@ class TrainingKeys(Keys):
     skip_initial_validation: Annotated[bool, Flag()] = Field(
         False, description="start training at once, without validating the untrained model "
                            "(no step-0 point on the curves)")
+    activation_checkpointing: Annotated[Literal["none", "blocks"], Flag()] = Field(
+        "none", description="blocks: keep only each transformer / AFNO block's input for "
+        "backward and recompute the block's activations there (less memory, more compute: "
+        "docs/memory.md)")
     graph_warmup: Annotated[int, Ge(3), Flag(script="train_mp_graphs.py")] = Field(
         20, description="eager steps before the CUDA-graph capture: they create the loss "
         "scale and Adam's state the graph reuses (at least 3, PyTorch's warm-up for graphed "
