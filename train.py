@@ -2,7 +2,10 @@
 
     python train.py --config=cpu_short                          # one process (CPU or GPU)
     torchrun --nproc_per_node 2 train.py --config=cpu_bs32_opt  # data parallel
+    torchrun --nproc_per_node 2 train.py --config=cpu_bs32_opt --fsdp   # ... model sharded
     sbatch -N 4 submit_pm_dp.sh --config=bs256_opt               # on a SLURM cluster
+
+When it does not fit: --activation_checkpointing blocks, --fsdp (docs/memory.md).
 
 Input: all 20 ERA5 fields at time t. Target: the same fields 6 hours later.
 What a run is made of (loaders, optimizer, checkpoints, ...) is built by
@@ -38,7 +41,7 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     train_mp_graphs.py passes a `step` that replays a CUDA graph."""
     step = step or Step()
     ctx = start_run(cfg, layout)  # logging, seeds, batch sizes, precision, run directory
-    model = build_model(cfg, layout)  # the layout's layers; DDP over dp; torch.compile
+    model = build_model(cfg, layout)  # the layout's layers; DDP or FSDP over dp; compile
     run = build_training(cfg, ctx, layout, model, capturable=step.capturable)
     step.prepare(run)  # train_mp_graphs.py: capture the CUDA graph before the loop
     progress, startup = run.progress, StartupReport(cfg)

@@ -180,6 +180,10 @@ def _restore(run: Training, saved: dict) -> None:
 
 def refuse_what_a_graph_cannot_hold(cfg: Config) -> None:
     """One `error:` line for a flag whose step cannot be captured in one CUDA graph."""
+    if cfg.fsdp:
+        raise ConfigError("--fsdp: train_mp_graphs.py does not capture it (FSDP gathers "
+                          "and frees each block's parameters from Python hooks, on streams "
+                          "of its own, around every block); run train_mp.py")
     if cfg.activation_checkpointing != "none":
         raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: "
                           "train_mp_graphs.py cannot capture it (the recompute saves and "

@@ -203,6 +203,14 @@ class ParallelKeys(Keys):
         False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     noddp: Annotated[bool, Flag()] = Field(
         False, description="skip the gradient all-reduce (wrong training; measures its cost)")
+    fsdp: Annotated[bool, Flag()] = Field(
+        False, description="shard parameters, gradients and optimizer state over the "
+        "data-parallel ranks (FSDP2, per block) instead of replicating them with DDP "
+        "(docs/memory.md)")
+    no_reshard_after_forward: Annotated[bool, Flag()] = Field(
+        False, description="FSDP: keep each block's gathered parameters from its forward to "
+        "its backward (FSDP2's reshard_after_forward=False): one all-gather per block less, "
+        "every block's whole parameters held meanwhile")
 
 
 class SourceKeys(Keys):
@@ -278,6 +286,12 @@ def _check_rollout(c: Config) -> None:
                          "(the DALI pipeline reads one target per sample)")
 
 
+def _check_data_parallel(c: Config) -> None:
+    if c.fsdp and c.noddp:
+        raise ValueError("fsdp shards the gradients over the data-parallel ranks, noddp skips "
+                         "their reduction: choose one (--fsdp or --noddp)")
+
+
 def _check_layout(c: Config) -> None:
     # Each model has its own model parallelism: the ViT splits matmuls and the sequence
     # (tp, cp), the AFNO splits its grid over the h x w mesh (a distributed FFT).
@@ -308,6 +322,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_splits(self)
         _check_channels(self)
         _check_rollout(self)
+        _check_data_parallel(self)
         return self
 
 
