@@ -49,12 +49,16 @@ ANNOTATIONS = ("sharded_dims_mp", "is_shared_mp", "partial_grad_mp", "shard_bloc
                "full_shape")
 
 
-def shard_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
-                reshard_after_forward: bool = True) -> nn.Module:
-    """`model` with every block, then the whole, sharded over the ranks of `group` (in
+def mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The one-dimensional device mesh of `group`'s ranks (the layout's dp group)."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
+                ) -> nn.Module:
+    """`model` with every block, then the whole, sharded over the ranks of `mesh` (in
     place; returned for chaining). `reshard_after_forward` False keeps each block's
     gathered parameters from its forward to its backward (one all-gather less per block)."""
-    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
     policy = MixedPrecisionPolicy()  # fp32 gathers and reductions: module docstring
     with keep_annotations(model):
         for block in model.blocks:

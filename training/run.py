@@ -65,7 +65,7 @@ def wrap_model(model: torch.nn.Module, cfg: Config, layout: Layout) -> torch.nn.
     compiling.prepare(cfg)  # the compile cache, before DDP's constructor asks Inductor for it
     device = layout.device
     if layout.fsdp:
-        model = fsdp.shard_model(model, comm.get_group("dp"), device,
+        model = fsdp.shard_model(model, fsdp.mesh_of(comm.get_group("dp"), device),
                                  reshard_after_forward=not cfg.no_reshard_after_forward)
     elif comm.get_size("dp") > 1 and not cfg.noddp:
         side = torch.cuda.Stream() if device.type == "cuda" else None
