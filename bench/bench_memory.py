@@ -10,9 +10,10 @@ processes (new process groups for each). In each layout, every rank builds what 
 builds (the layout's model, DDP or FSDP, Adam, the loss and its scaler: training/run.py)
 and runs training/step.py's step on a random batch kept in memory:
   - memory: two steps under PyTorch's profiler with `profile_memory`, from before the
-    model is built; a rank's peak is the highest sum of the tensor allocations it recorded
-    (an allocation tracker, not the resident set size), "after forward" the highest up to
-    the end of the first forward pass;
+    model is built; a rank's peak is the highest sum of the tensor allocations alive it
+    recorded (an allocation tracker, not the resident set size; `allocation_peaks`),
+    "after forward" the highest up to the end of the first forward pass; the smallest of
+    MEASUREMENTS such runs;
   - time: `--iters` steps after one warm-up, without the profiler; the median of the
     slowest rank's steps.
 The planner's estimate for the same layout is traced with the CPU's kernels (`--device
@@ -47,6 +48,7 @@ from utils.openmp import available_cores
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH_MEMORY_RESULT "
 MIB = 1024**2
+MEASUREMENTS = 3  # of each layout's peak, from a new model each time
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -91,30 +93,41 @@ def allocation_peaks(prof: Any) -> tuple[int, int]:
     """(peak, peak up to the end of the first "forward" range) of the bytes of the tensor
     allocations alive, from the allocations and frees the profiler recorded, in time order.
 
-    The profiler records only its own threads' events: a tensor whose last reference a gloo
-    thread drops (the temporary of an all-gather or reduce-scatter) is freed unrecorded. Its
-    address, handed out again, says it was freed by then: counted until that reuse.
+    The profiler records only its own threads' events, and a gloo thread drops the last
+    reference to the temporary an all-gather or reduce-scatter copies through: that free
+    goes unrecorded. A tensor allocated inside a collective (c10d's and gloo's ranges)
+    that outlives it unrecorded is counted until the collective's end; any other, until
+    its address is handed out again.
     """
     from torch._C._profiler import _EventType
 
+    # (time, bytes (- for a free), address, for a free at a collective's end: which
+    # allocation it frees, else -1)
     events, forward_end = [], None
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
+        node, collective = stack.pop()
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size,
-                           node.extra_fields.ptr))
-        elif node.name == "forward" and (forward_end is None or
-                                         node.end_time_ns < forward_end):
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr, -1))
+            if fields.alloc_size > 0 and collective is not None:  # freed by its end at last
+                events.append((collective.end_time_ns, -fields.alloc_size, fields.ptr,
+                               node.start_time_ns))
+            continue
+        if node.name == "forward" and (forward_end is None or node.end_time_ns < forward_end):
             forward_end = node.end_time_ns
-        stack.extend(node.children)
-    alive: dict[int, int] = {}
+        if node.name.startswith(("c10d::", "gloo:")):
+            collective = node
+        stack.extend((child, collective) for child in node.children)
+    alive: dict[int, tuple[int, int]] = {}  # address: (bytes, when allocated)
     total = peak = after_forward = 0
-    for when, nbytes, ptr in sorted(events):
-        total -= alive.pop(ptr, 0) if nbytes > 0 or ptr in alive else 0
+    for when, nbytes, ptr, allocated in sorted(events):
         if nbytes > 0:
-            alive[ptr] = nbytes
+            total -= alive.pop(ptr, (0, 0))[0]  # reused: freed unrecorded before
+            alive[ptr] = (nbytes, when)
             total += nbytes
+        elif ptr in alive and allocated in (-1, alive[ptr][1]):
+            total -= alive.pop(ptr)[0]
         peak = max(peak, total)
         if forward_end is not None and when <= forward_end:
             after_forward = max(after_forward, total)
@@ -142,22 +155,26 @@ def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     gen = torch.Generator().manual_seed(1000 + comm.get_rank("dp"))  # one batch per replica
     shape = (local_batch, run_cfg.n_in_channels, *rank.tile.shape)
-    gc.collect()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = build_model(run_cfg, rank)  # DDP or FSDP over dp, as training wraps it
-        precision = choose_precision(run_cfg.amp_mode, device)
-        run = SimpleNamespace(
-            model=model, optimizer=build_optimizer(run_cfg, model), layout=rank,
-            prof=_Ranges(), ctx=SimpleNamespace(precision=precision),
-            loss=build_loss(run_cfg.loss, torch.ones(rank.tile.shape[0]), rank.sum_over_grid),
-            scaler=rank.grad_scaler(precision))
-        inp, tar = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-        step = Step()
-        for _ in range(2):
-            step(run, inp, tar)
-    peak, after_forward = allocation_peaks(prof)
-    del prof
+    peaks = []
+    for _ in range(MEASUREMENTS):  # a lost free only adds: the smallest is the closest
+        gc.collect()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model = build_model(run_cfg, rank)  # DDP or FSDP over dp, as training wraps it
+            precision = choose_precision(run_cfg.amp_mode, device)
+            run = SimpleNamespace(
+                model=model, optimizer=build_optimizer(run_cfg, model), layout=rank,
+                prof=_Ranges(), ctx=SimpleNamespace(precision=precision),
+                loss=build_loss(run_cfg.loss, torch.ones(rank.tile.shape[0]),
+                                rank.sum_over_grid),
+                scaler=rank.grad_scaler(precision))
+            inp, tar = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            step = Step()
+            for _ in range(2):
+                step(run, inp, tar)
+        peaks.append(allocation_peaks(prof))
+        del prof
+    peak, after_forward = min(p[0] for p in peaks), min(p[1] for p in peaks)
     times = []
     for i in range(1 + iters if iters else 0):
         dist.barrier()
