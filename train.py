@@ -26,6 +26,7 @@ import time
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport
+from training.memory_plan import first_step_line
 from training.run import build_model, build_training
 from training.script_exit import run_main
 from training.setup import peak_memory_gb, start_run
@@ -59,10 +60,11 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
             run.scheduler.step()
             progress.record(loss)
             steps += 1
-            if progress.iters == 1:
-                log.info(f"Memory after the first step {peak_memory_gb(run.device):.2f} GB")
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
             startup.after_step(run.log, progress.iters)  # time to first step, compile time
+            if progress.iters == 1:  # the measured peak beside the planner's estimate
+                log.info(first_step_line(cfg, layout, ctx.local_batch_size,
+                                         peak_memory_gb(run.device)))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard

@@ -156,9 +156,14 @@ def trace_layout(cfg: Config, layout: Layout, local_batch: int,
     """This rank's estimate for `cfg` in `layout` (its process groups must exist:
     comm.init ran) with `local_batch` samples, the kernels choosing as on `device_type`."""
     depths = [cfg.depth] if cfg.depth <= TRACED_DEPTHS[-1] else list(TRACED_DEPTHS)
-    with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-        peaks = [_trace(cfg.replace(depth=d), layout, local_batch, device_type)
-                 for d in depths]
+    try:
+        with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
+            peaks = [_trace(cfg.replace(depth=d), layout, local_batch, device_type)
+                     for d in depths]
+    finally:
+        # Fake tensors' dispatch cache (one for the process) keeps a collective's outputs,
+        # and with them its process group, which comm.shutdown() then cannot free.
+        FakeTensorMode.cache_clear()
     if len(peaks) == 2:  # every (step, phase) peak's parts: affine in the depth
         (d0, at0), (d1, at1) = zip(depths, peaks, strict=True)
         peaks = [{where: {part: at0[where][part] + (cfg.depth - d0) / (d1 - d0)
@@ -257,3 +262,24 @@ def _ddp_buckets(cfg: Config, layout: Layout) -> float:
     with torch.device("meta"):
         model = networks.build_model(cfg, layers=layout.layers)
     return float(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def first_step_line(cfg: Config, layout: Layout, local_batch: int, measured_gb: float) -> str:
+    """The log line of the first step's memory: `measured_gb` (on a GPU the tensors' peak,
+    on a CPU the resident set: training/setup.py) beside this estimate of the tensors'
+    peak over the first step. Only the logging rank traces (seconds); an estimate that
+    cannot be traced says why in the line and never stops the run. Not under FSDP: its
+    trace on the job's own dp group leaves FSDP state that keeps the group alive past
+    comm.shutdown() (bench/memory_plan.py traces FSDP on a fake world instead)."""
+    kind = "tensors" if layout.device.type == "cuda" else "resident set"
+    line = f"Memory after the first step {measured_gb:.2f} GB ({kind})"
+    if comm.get_world_rank() != 0:
+        return line
+    if layout.fsdp:  # a trace of FSDP2 on the job's own dp group keeps that group alive
+        return f"{line}; planner: `python -m bench.memory_plan` (FSDP is not traced in a job)"
+    try:
+        estimate = trace_layout(cfg, layout, local_batch, layout.device.type)
+    except Exception as e:  # noqa: BLE001 - an estimate must never stop the training
+        return f"{line}; planner: no estimate ({type(e).__name__}: {str(e)[:80]})"
+    return (f"{line}; planner's estimate of the tensors {estimate.first_step / GIB:.3g} GB "
+            "(training/memory_plan.py)")
