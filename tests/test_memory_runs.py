@@ -9,6 +9,8 @@ runs them (torchrun, gloo, CPU, fp32, the tiny config: 16 iterations, a checkpoi
   - train_mp.py --tp 2 --fsdp on 4 ranks (dp 2 x tp 2) trains like train.py;
   - a run saved under FSDP resumes without it and one saved by DDP resumes under FSDP:
     both end bitwise where the uninterrupted runs end (same 2 ranks, so same numbers);
+  - train.py --activation_checkpointing blocks on 2 DDP ranks, and with --fsdp, ends
+    bitwise where DDP without it ends;
   - train_mp.py --cp 2 --activation_checkpointing blocks --enable_jit (the recompute
     compiled) trains like train.py;
   - train_mp_graphs.py refuses --fsdp and --activation_checkpointing in one line each.
@@ -99,6 +101,21 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_bitwise(ddp2, fsdp2, tiny_data, tmp
     assert "Layout: DP = 2, FSDP" in run.stdout
     assert_same_state(final_checkpoint(run.exp_dir("tiny", 2, run_num="resumed"), ITERS),
                       final_checkpoint(fsdp2.exp_dir("tiny", 2), ITERS))
+
+
+def test_recompute_under_ddp_and_under_fsdp_is_bitwise_the_run_without_it(ddp2, tiny_data,
+                                                                          tmp_path):
+    """Recompute reruns each block's forward exactly, so DDP's gradients (and FSDP's, bitwise
+    DDP's on 2 ranks) are unchanged: the same checkpoint, bit for bit, as DDP without it."""
+    for i, flags in enumerate((["--activation_checkpointing=blocks"],
+                               ["--activation_checkpointing=blocks", "--fsdp"])):
+        run = run_script("train.py", [*REFERENCE_ARGS, f"--run_num=recompute{i}", *flags],
+                         data_dir=tiny_data, log_dir=tmp_path, nproc=2, timeout=TIMEOUT)
+        assert_completed(run, ITERS)
+        assert_same_state(final_checkpoint(run.exp_dir("tiny", 2, run_num=f"recompute{i}"),
+                                           ITERS),
+                          final_checkpoint(ddp2.exp_dir("tiny", 2), ITERS))
+        assert epoch_losses(run.stdout) == epoch_losses(ddp2.stdout), flags
 
 
 def test_compiled_recompute_with_cp2_trains_like_train_py(serial_reference, tiny_data,
