@@ -36,7 +36,11 @@ SHAPES = {"vit": ("tiny", dict(img_size=[12, 28], patch_size=4, embed_dim=32, de
           "afno": ("tiny_afno", dict(img_size=[28, 36], patch_size=4, embed_dim=16, depth=2,
                                      num_blocks=4))}
 LAYOUTS = {"dp2": ("vit", {}, 2), "dp2xtp2": ("vit", {"tp": 2}, 4),
-           "dp2xcp2": ("vit", {"cp": 2}, 4), "dp2xh2": ("afno", {"h_parallel_size": 2}, 4)}
+           "dp2xcp2": ("vit", {"cp": 2}, 4), "dp2xh2": ("afno", {"h_parallel_size": 2}, 4),
+           # each block's gathered parameters kept from its forward to its backward
+           "dp2xtp2-no-reshard": ("vit", {"tp": 2, "no_reshard_after_forward": True}, 4),
+           # FSDP's gathers inside the recompute of a context-parallel block
+           "dp2xcp2-recompute": ("vit", {"cp": 2, "activation_checkpointing": "blocks"}, 4)}
 
 
 def _config(model: str, sizes: dict[str, int], **more) -> Config:
