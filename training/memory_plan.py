@@ -143,12 +143,12 @@ class _Phases:
 
     @contextlib.contextmanager
     def range(self, name: str) -> Iterator[None]:
-        step, outer = self.tracker.where
+        step = self.tracker.where[0]
         self.tracker.where = (step, name)
         try:
             yield
-        finally:
-            self.tracker.where = (step, outer)
+        finally:  # the step's ranges follow each other: what runs between is after this one
+            self.tracker.where = (step, f"after {name}")
 
 
 def trace_layout(cfg: Config, layout: Layout, local_batch: int,
