@@ -2,7 +2,10 @@
 
     python train.py --config=cpu_short                          # one process (CPU or GPU)
     torchrun --nproc_per_node 2 train.py --config=cpu_bs32_opt  # data parallel
+    torchrun --nproc_per_node 2 train.py --config=cpu_bs32_opt --fsdp   # ... model sharded
     sbatch -N 4 submit_pm_dp.sh --config=bs256_opt               # on a SLURM cluster
+
+When it does not fit: --activation_checkpointing blocks, --fsdp (docs/memory.md).
 
 Input: all 20 ERA5 fields at time t. Target: the same fields 6 hours later.
 What a run is made of (loaders, optimizer, checkpoints, ...) is built by
@@ -23,6 +26,7 @@ import time
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport
+from training.memory_plan import first_step_line
 from training.run import build_model, build_training
 from training.script_exit import run_main
 from training.setup import peak_memory_gb, start_run
@@ -38,7 +42,7 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     train_mp_graphs.py passes a `step` that replays a CUDA graph."""
     step = step or Step()
     ctx = start_run(cfg, layout)  # logging, seeds, batch sizes, precision, run directory
-    model = build_model(cfg, layout)  # the layout's layers; DDP over dp; torch.compile
+    model = build_model(cfg, layout)  # the layout's layers; DDP or FSDP over dp; compile
     run = build_training(cfg, ctx, layout, model, capturable=step.capturable)
     step.prepare(run)  # train_mp_graphs.py: capture the CUDA graph before the loop
     progress, startup = run.progress, StartupReport(cfg)
@@ -56,10 +60,11 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
             run.scheduler.step()
             progress.record(loss)
             steps += 1
-            if progress.iters == 1:
-                log.info(f"Memory after the first step {peak_memory_gb(run.device):.2f} GB")
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
             startup.after_step(run.log, progress.iters)  # time to first step, compile time
+            if progress.iters == 1:  # the measured peak beside the planner's estimate
+                log.info(first_step_line(cfg, layout, ctx.local_batch_size,
+                                         peak_memory_gb(run.device)))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard

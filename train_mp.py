@@ -9,7 +9,8 @@ context (cp) parallelism, or the AFNO with its grid split over an h x w mesh (sp
 World = tp x cp x h x w x dp; dp is what is left. What changes from train.py is the layout
 (distributed/layout.py), and nothing else:
   1. the flags --tp, --cp, --h_parallel_size, --w_parallel_size, --parallel_order;
-  2. process groups for tp, cp, h, w and dp; DDP averages gradients over dp only;
+  2. process groups for tp, cp, h, w and dp; DDP (or FSDP, --fsdp) reduces gradients
+     over dp only;
   3. the model's layers: `DistributedLayers` (ViT), whose layers hold only this rank's
      shard of each weight, or `SpatialLayers` (AFNO), whose layers work on this rank's
      tile of the grid (both initialised to exactly the serial model's numbers);

@@ -48,6 +48,7 @@ from training.run import Training
 from training.script_exit import run_main
 from training.step import Step, forward_backward, optimizer_step
 from utils.config_schema import Config
+from utils.errors import ConfigError
 from utils.model_wrappers import uncompiled
 
 log = logging.getLogger("train_mp_graphs")
@@ -185,7 +186,21 @@ class EagerStep(Step):
                  "step eagerly (same results, no graph capture)")
 
 
+def refuse_what_a_graph_cannot_hold(cfg: Config) -> None:
+    """One `error:` line for a flag whose step cannot be captured in one CUDA graph."""
+    if cfg.fsdp:
+        raise ConfigError("--fsdp: train_mp_graphs.py does not capture it (FSDP gathers "
+                          "and frees each block's parameters from Python hooks, on streams "
+                          "of its own, around every block); run train_mp.py")
+    if cfg.activation_checkpointing != "none":
+        raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: "
+                          "train_mp_graphs.py cannot capture it (the recompute saves and "
+                          "restores the CUDA RNG state, which a graph capture does not "
+                          "allow); run train_mp.py")
+
+
 def main(cfg: Config) -> None:
+    refuse_what_a_graph_cannot_hold(cfg)
     if not torch.cuda.is_available():
         return train_mp.main(cfg, step=EagerStep())
     step = GraphedStep(cfg.graph_warmup)

@@ -265,6 +265,12 @@ def torchrun_result(module: str, nproc: int, worker_args: list[str], threads: in
                     timeout: float, tag: str, what: str) -> dict[str, Any]:
     """torchrun `module --worker ...` on `nproc` local processes with `threads` threads each;
     rank 0's result: the JSON on the stdout line starting with `tag`."""
+    return torchrun_results(module, nproc, worker_args, threads, timeout, tag, what)[0]
+
+
+def torchrun_results(module: str, nproc: int, worker_args: list[str], threads: int,
+                     timeout: float, tag: str, what: str) -> list[dict[str, Any]]:
+    """`torchrun_result`'s job; the JSON of every stdout line starting with `tag`, in order."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "-m", module, "--worker", *worker_args]
@@ -278,9 +284,10 @@ def torchrun_result(module: str, nproc: int, worker_args: list[str], threads: in
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{what}: no result within {timeout:.0f} s") from None
-    for line in proc.stdout.splitlines():
-        if line.startswith(tag):
-            return json.loads(line[len(tag):])
+    results = [json.loads(line[len(tag):]) for line in proc.stdout.splitlines()
+               if line.startswith(tag)]
+    if results and proc.returncode == 0:
+        return results
     first = proc.stderr.find("Traceback")  # the failing rank's own traceback, not torchrun's
     tail = "\n".join(proc.stderr[max(first, 0):].splitlines()[:30])
     raise RuntimeError(f"{what}: exit code {proc.returncode}, no result\n{tail}")

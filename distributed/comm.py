@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -163,6 +164,7 @@ def shutdown() -> None:
     reset()
     if not dist.is_initialized():
         return
+    forget_device_meshes()
     gc.collect()  # reference cycles (a finished model, a traceback's frames) may hold a group
     held.append(dist.group.WORLD)
     dist.destroy_process_group()  # unregisters every group; `held` keeps ours alive until...
@@ -172,6 +174,31 @@ def shutdown() -> None:
         logging.getLogger("comm").warning(
             f"{left} gloo threads outlived comm.shutdown(): something still holds a "
             "process group, so this process may abort at exit")
+
+
+def forget_device_meshes() -> None:
+    """Drop what DTensor (FSDP's sharded parameters, distributed/fsdp.py) keeps after its
+    tensors are gone: its caches (of sharding decisions, in Python and C++, of
+    redistribution plans, of mesh topologies), whose entries hold a device mesh and with it
+    the data-parallel group. PyTorch 2.13 has no public way to clear them all: its
+    debugging helper clears the sharding caches, and every other one is a functools cache
+    of a function or class of `torch.distributed.tensor` but the redistribution planners'
+    dictionary, which has a function of its own."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing created a DTensor
+    from torch.distributed.tensor import _redistribute, debug
+
+    getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) else [value]
+            for member in members:
+                member = getattr(member, "__func__", member)  # a staticmethod's function
+                if hasattr(member, "cache_clear") and hasattr(member, "cache_info"):
+                    member.cache_clear()
 
 
 def gloo_threads() -> int:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from distributed import comm
 from utils.parallel_axes import MODEL_PARALLEL
@@ -186,9 +187,10 @@ def sync_shared_gradients(model: nn.Module) -> None:
         model._grad_sync_plan = plan
     for group_name, params in plan:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
+        for p in params:  # under FSDP, this rank's slice of the gradient (distributed/fsdp.py)
             if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():  # one message per group and dtype
             flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)
             for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):

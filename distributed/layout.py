@@ -14,8 +14,10 @@ World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
   - what runs after backward: parameters replicated across model-parallel ranks (norms,
     biases, embeddings) get their partial gradients summed over those ranks
     (`sync_shared_gradients`; DDP then averages over dp);
-  - fp16 loss scaling: the ranks of a model replica agree whether a step overflowed
-    (`grad_scaler`);
+  - how the data-parallel ranks share the model (`fsdp`): DDP replicas, or FSDP2, which
+    shards parameters, gradients and optimizer state over dp (distributed/fsdp.py);
+  - fp16 loss scaling: the ranks that hold parts of one model's gradients (a model
+    replica; every rank under FSDP) agree whether a step overflowed (`grad_scaler`);
   - how a checkpoint's full (serial) tensors map to this rank's shards and back, by
     parameter name, so any layout resumes, fine-tunes or evaluates any checkpoint.
 
@@ -25,15 +27,17 @@ World = tp x cp x h x w x dp. What a layout changes, and nothing else does:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from distributed import comm
+from distributed import comm, fsdp
 from distributed.helpers import gather_tensor, shard_tensor, sync_shared_gradients
 from distributed.launch_env import LaunchEnv
 from distributed.layers import DistributedLayers
@@ -62,7 +66,8 @@ class Layout:
     """This process's place in the job and what it means for the model (module docstring).
 
     `kind`: 'serial' (one device or DDP: every rank holds the whole model), 'tensor' (the
-    ViT split over tp x cp) or 'spatial' (the AFNO's grid split over h x w)."""
+    ViT split over tp x cp) or 'spatial' (the AFNO's grid split over h x w). `fsdp`: the
+    data-parallel ranks shard the model (FSDP2) instead of each holding a replica (DDP)."""
 
     kind: str
     order: str  # the rank layout's axes, fastest-varying first (parallel_order)
@@ -70,6 +75,7 @@ class Layout:
     device: torch.device
     layers: Any  # the networks' layer factory; None: their serial layers
     tile: Tile
+    fsdp: bool = False
 
     # ------------------------------------------------------------------ building one
     @classmethod
@@ -93,13 +99,15 @@ class Layout:
     def of_groups(cls, cfg: Config, env: LaunchEnv, device: torch.device) -> Layout:
         """The layout of process groups that exist already (comm.init ran)."""
         kind = split_family({a: comm.get_size(a) for a in MODEL_PARALLEL}) or "serial"
+        shard = sharded_over_dp(cfg)
         if kind == "spatial":  # the schema allows a mesh only for the AFNO
             return cls("spatial", cfg.parallel_order, env, device, SpatialLayers(),
-                       field_tile(cfg.img_size, cfg.patch_size))
+                       field_tile(cfg.img_size, cfg.patch_size), shard)
         whole = Tile.whole(cfg.img_size)
         if kind == "tensor":  # ... only for the ViT
-            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole)
-        return cls("serial", cfg.parallel_order, env, device, None, whole)
+            return cls("tensor", cfg.parallel_order, env, device, DistributedLayers(), whole,
+                       shard)
+        return cls("serial", cfg.parallel_order, env, device, None, whole, shard)
 
     # ------------------------------------------------------------------ training
     @property
@@ -122,33 +130,59 @@ class Layout:
         replicated across model-parallel ranks (the step calls it on such a layout only)."""
         sync_shared_gradients(model)
 
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module) -> Iterator[None]:
+        """Forward passes without backward (validation): under FSDP the parameters are
+        gathered once for all of them (`fsdp.gathered`: the data-parallel ranks may run
+        different numbers of batches)."""
+        with fsdp.gathered(model) if self.fsdp else contextlib.nullcontext():
+            yield
+
     def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
         """The run's loss scaler (enabled for fp16 only; `training.run.build_training`).
         On a model-parallel layout the ranks of "mp" (tp x cp x h x w) hold different
-        shards of the gradients: their overflow verdict is agreed (MAX over "mp",
+        shards of the gradients; under FSDP every rank holds its own slice of them, over
+        dp too. Their overflow verdict is agreed (MAX over the group,
         distributed/loss_scaling.py), so they all skip a step if one shard overflowed."""
-        if precision.mode != "fp16" or self.kind == "serial":
+        if precision.mode != "fp16" or (self.kind == "serial" and not self.fsdp):
             return precision.grad_scaler()
-        return AgreedGradScaler(self.device.type, comm.get_group("mp"))
+        group = comm.get_group("mp") if not self.fsdp else None  # None: every rank
+        return AgreedGradScaler(self.device.type, group)
 
     # ------------------------------------------------------------------ checkpoints
     def full_tensor(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """The serial-layout tensor of `param` (itself, its gradient or an optimizer state
-        of its shape) from every rank's part: collective over the groups that shard it."""
-        return gather_tensor(local, param) if self.is_model_parallel else local
+        of its shape) from every rank's part: collective over the groups that shard it
+        (dp under FSDP, then the model-parallel groups)."""
+        whole = fsdp.gather(local)
+        return gather_tensor(whole, param) if self.is_model_parallel else whole
 
     def local_tensor(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the serial-layout tensor `full`, laid out like `param`."""
+        """This rank's part of the serial-layout tensor `full`, laid out like `param`
+        (under FSDP a DTensor, each rank keeping its slice: no communication)."""
         local = shard_tensor(full, param) if self.is_model_parallel else full
-        return local.to(param.device)
+        return fsdp.shard_like(local.to(param.device), param)
 
     # ------------------------------------------------------------------ reporting
     def describe(self) -> str:
         mesh = (f", H = {comm.get_size('h')}, W = {comm.get_size('w')}"
                 if self.kind == "spatial" else "")
-        return (f"Layout: DP = {comm.get_size('dp')}, TP = {comm.get_size('tp')}, "
+        sharded = ", FSDP" if self.fsdp else ""
+        return (f"Layout: DP = {comm.get_size('dp')}{sharded}, TP = {comm.get_size('tp')}, "
                 f"CP = {comm.get_size('cp')}{mesh} (order {self.order})")
 
     def sizes(self) -> dict[str, int]:
         """Every group's size, for logs and result files."""
         return {a: comm.get_size(a) for a in NAMES}
+
+
+def sharded_over_dp(cfg: Config) -> bool:
+    """Whether FSDP shards the model: asked for (`fsdp`) and more than one data-parallel
+    rank to shard it over (with one, it is said once and the model stays whole)."""
+    if cfg.fsdp and comm.get_size("dp") == 1:
+        if comm.get_world_rank() == 0:
+            log.warning("--fsdp with 1 data-parallel rank: nothing to shard over, so the "
+                        "model stays whole (FSDP divides by the number of dp ranks)")
+        return False
+    return cfg.fsdp
+

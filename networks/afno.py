@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from networks.blocks import run_blocks
 from networks.kernels import patch_conv
 from networks.spectral import RealFFT2, kept_modes
 from networks.vit import MLP, init_weights
@@ -128,9 +129,11 @@ class AFNONet(nn.Module):
         hidden_size_factor: int = 1,
         layers: Any = None,
         seed: int = 0,
+        activation_checkpointing: str = "none",
     ):
         super().__init__()
         self.patch_size, self.out_chans = patch_size, out_chans
+        self.recompute_blocks = activation_checkpointing == "blocks"  # networks/blocks.py
         self.grid = (img_size[0] // patch_size, img_size[1] // patch_size)
         self.layer_factory = layers = layers or SerialGrid()
         self.tile = layers.tile(self.grid)  # (rows, columns) of tokens on this rank
@@ -157,8 +160,7 @@ class AFNONet(nn.Module):
         # channels last, contiguous once: every later layer acts on the last dim
         x = patch_conv(self.patch_embed, x)  # a bf16 GEMM under CPU autocast: networks.kernels
         x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.recompute_blocks)
         x = self.head(self.norm(x))  # (B, h, w, p*p*C_out)
         x = x.view(x.shape[0], h, w, p, p, self.out_chans)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], self.out_chans, h * p, w * p)
@@ -240,4 +242,5 @@ def afno_from_params(cfg: Config, layers: Any = None) -> AFNONet:
         hard_thresholding_fraction=cfg.hard_thresholding_fraction,
         layers=layers,
         seed=cfg.seed,
+        activation_checkpointing=cfg.activation_checkpointing,
     )

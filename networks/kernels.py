@@ -1,12 +1,37 @@
 """Kernels whose precision policy depends on the device, shared by every model and layout:
 the serial ViT and the tensor/context-parallel attention call the same `attention`, so
 `train.py` and `train_mp.py` compute alike.
+
+`as_on("cuda")` makes them choose as on a GPU whatever device their tensors are on: the
+memory planner (training/memory_plan.py) traces a GPU's step on fake CPU tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
+
+_chosen_as_on: ContextVar[str | None] = ContextVar("kernels_chosen_as_on", default=None)
+
+
+@contextlib.contextmanager
+def as_on(device_type: str) -> Iterator[None]:
+    """Within the block, every kernel here chooses as on `device_type`."""
+    token = _chosen_as_on.set(device_type)
+    try:
+        yield
+    finally:
+        _chosen_as_on.reset(token)
+
+
+def _cpu_autocast(x: torch.Tensor) -> bool:
+    """Whether `x` is computed as on a CPU under autocast (the CPU policies below)."""
+    device_type = _chosen_as_on.get() or x.device.type
+    return device_type == "cpu" and torch.is_autocast_enabled("cpu")
 
 # CPU autocast, sequences up to this many (query x key) tokens per head: the math path.
 MATH_PATH_MAX_SCORES = 256 * 256
@@ -27,7 +52,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         around it staying in reduced precision.
     On CUDA, reduced-precision SDPA is kept (flash attention is fast there).
     """
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if _cpu_autocast(q):
         # Decided by the key length, the whole sequence in every layout: context-parallel
         # ranks (fewer queries each) take the path the serial model takes.
         if k.shape[-2] ** 2 <= MATH_PATH_MAX_SCORES:
@@ -49,7 +74,7 @@ def patch_conv(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     convolution in fp32 (docs/benchmarks.md). GPUs keep the convolution.
     """
     k, s = conv.kernel_size, conv.stride
-    if not (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
+    if not _cpu_autocast(x):
         return conv(x)
     if k != s or conv.padding != (0, 0) or conv.dilation != (1, 1) or conv.groups != 1:
         with torch.autocast("cpu", enabled=False):  # not a patch embedding: fp32, safe

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from networks.blocks import run_blocks
 from networks.kernels import attention, patch_conv
 from utils.config_schema import Config
 
@@ -128,12 +129,14 @@ class VisionTransformer(nn.Module):
         dropout: float = 0.0,
         layers: Any = None,
         seed: int = 0,
+        activation_checkpointing: str = "none",
     ):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
         self.out_chans = out_chans
         self.layer_factory = layers = layers or SerialLayers()
+        self.recompute_blocks = activation_checkpointing == "blocks"  # networks/blocks.py
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim)
         self.h, self.w = self.patch_embed.grid
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
@@ -150,8 +153,7 @@ class VisionTransformer(nn.Module):
         """(B, C, H, W) -> normalised tokens (B, N, D)."""
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
         x = self.layer_factory.scatter_tokens(x)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.recompute_blocks)
         return self.layer_factory.gather_tokens(self.norm(x))
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,4 +243,5 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
         dropout=cfg.dropout,
         layers=layers,
         seed=cfg.seed,
+        activation_checkpointing=cfg.activation_checkpointing,
     )

@@ -379,7 +379,8 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
     over dp when dp > 1): `serial_loss(model, x, y)` on the whole batch, `parallel_loss(model,
     x, y)` on this rank's part. After the first step the loss (averaged over dp) and every
     gathered gradient, after the last every gathered parameter, equal the serial ones; the
-    replicated parameters stay bitwise identical on the ranks that share them."""
+    replicated parameters stay bitwise identical on the ranks that share them. `model` may
+    be sharded by FSDP over dp instead (its gradients and parameters are gathered too)."""
     import torch.distributed as dist
     from sharded import gather_full_grads, gather_full_state_dict
 
@@ -409,9 +410,11 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
         assert_close_rel(full[name], p.detach(), f"{layout} {name} after {len(batches)} Adam "
                          "steps", rtol, atol_adam)
     for name, p in getattr(model, "module", model).named_parameters():
-        for group_name in p.is_shared_mp:
-            copies = [torch.empty_like(p) for _ in range(comm.get_size(group_name))]
-            dist.all_gather(copies, p.detach(), group=comm.get_group(group_name))
+        mine = p.detach()
+        mine = mine.to_local() if hasattr(mine, "to_local") else mine  # FSDP: this rank's slice
+        for group_name in getattr(p, "is_shared_mp", ()):
+            copies = [torch.empty_like(mine) for _ in range(comm.get_size(group_name))]
+            dist.all_gather(copies, mine, group=comm.get_group(group_name))
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"
 
 

@@ -68,9 +68,10 @@ def main() -> None:
     def optimizer_step(run, zero_grad: bool = True) -> None:  # noqa: ANN001
         iters = run.progress.iters
         p = None if in_backward else faulty_param(run)
-        if p is not None:
+        if p is not None:  # under FSDP, this rank's slice of the gradient
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             with torch.no_grad():
-                p.grad.view(-1)[0] = float("inf")
+                grad.view(-1)[0] = float("inf")
         inner(run, zero_grad)
         updates = [float(s["step"]) for s in run.optimizer.state.values() if "step" in s]
         record = {"step": iters, "scale": run.scaler.get_scale(),

@@ -4,6 +4,7 @@ the tests compare against the serial model (the product maps checkpoints through
 
     load_serial_state_dict(model, serial.state_dict())   # the serial weights, sharded
     gather_full_state_dict(model), gather_full_grads(model)   # collective: every rank
+                                                               # (also under FSDP)
     scatter_image(x, grid, patch), gather_image(tile, grid, patch)   # a spatial tile
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from distributed import comm
+from distributed import comm, fsdp
 from distributed.helpers import (
     all_gather_along_dim,
     compute_split_shapes,
@@ -46,18 +47,20 @@ def load_serial_state_dict(model: nn.Module, serial_sd: Mapping[str, torch.Tenso
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The serial state dict of a model-parallel model (collective: call on every rank)."""
+    """The serial state dict of a model-parallel model, also one FSDP shards (collective:
+    call on every rank)."""
     model = unwrap(model)
     params = dict(model.named_parameters())
-    return {name: gather_tensor(value, params[name]) if name in params else value
+    return {name: gather_tensor(fsdp.gather(value), params[name]) if name in params else value
             for name, value in model.state_dict().items()}
 
 
 @torch.no_grad()
 def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Serial-layout gradients of a model-parallel model (collective: every rank)."""
-    return {name: gather_tensor(p.grad, p) for name, p in unwrap(model).named_parameters()
-            if p.grad is not None}
+    """Serial-layout gradients of a model-parallel model, also one FSDP shards (collective:
+    every rank)."""
+    return {name: gather_tensor(fsdp.gather(p.grad), p)
+            for name, p in unwrap(model).named_parameters() if p.grad is not None}
 
 
 def scatter_image(x: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:

@@ -111,7 +111,7 @@ def _train(config: str, sizes: dict[str, int], fused: bool, agree: bool) -> list
         par = SimpleNamespace(ctx=SimpleNamespace(precision=fp16), layout=layout,
                               loss=build_loss(cfg.loss, rows[layout.tile.rows],
                                               layout.sum_over_grid),
-                              model=wrap_model(model, cfg, cpu),  # DDP over dp
+                              model=wrap_model(model, cfg, layout),  # DDP over dp
                               optimizer=build_optimizer(cfg, model), prof=prof,
                               scaler=layout.grad_scaler(fp16) if agree else fp16.grad_scaler())
         serial = networks.build_model(cfg)

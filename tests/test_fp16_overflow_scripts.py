@@ -111,3 +111,33 @@ def test_dp2_tp2_fused_adam_skips_an_overflow_before_the_dp_reduction_on_every_r
     for name, want_t in b.items():
         err = ((a[name].float() - want_t.float()).norm() / want_t.float().norm()).item()
         assert err <= PARAM_RTOL, f"{name}: {err:.2%} from the serial run's"
+
+
+@pytest.mark.e2e
+def test_fsdp_with_tp2_skips_an_overflow_in_one_ranks_slice_on_every_rank(tiny_data,
+                                                                         tmp_path_factory):
+    """FSDP over dp 2 with tp 2 (4 ranks), fused Adam: each rank holds its own slice of
+    every gradient, its tp shard cut again over dp by the reduce-scatter, so an inf there
+    (forced after backward on dp rank 0, tp rank 1: world rank 1 alone) is seen by that rank
+    alone. The loss scaler's verdict is agreed over every rank (`Layout.grad_scaler`): all
+    four skip that step, and only that one, with one loss scale, as train.py does with the
+    same fault."""
+    param, common = "blocks.0.mlp.fc1.weight", ("--config=tiny", "--enable_fused")
+    serial, serial_records = faulty_run(tmp_path_factory, tiny_data, param, "train.py", 0,
+                                        *common)
+    run, records = faulty_run(tmp_path_factory, tiny_data, param, "train_mp.py", 1, *common,
+                              "--tp=2", "--fsdp", nproc=4)
+    assert "Layout: DP = 2, FSDP, TP = 2" in run.stdout and sorted(records) == [0, 1, 2, 3]
+    assert skipped(serial_records[0]) == [FAULT_STEP], serial_records
+    want_scales = [serial_records[0][s]["scale"] for s in range(ITERS)]
+    for rank, mine in records.items():
+        assert skipped(mine) == [FAULT_STEP], f"rank {rank}: {mine}"
+        assert [mine[s]["scale"] for s in range(ITERS)] == want_scales, (rank, mine)
+    got, want = losses(run), losses(serial)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (key, got, want)
+    a = final_checkpoint(run.exp_dir("tiny", 4), ITERS)["model"]
+    b = final_checkpoint(serial.exp_dir("tiny", 1), ITERS)["model"]
+    for name, want_t in b.items():
+        err = ((a[name].float() - want_t.float()).norm() / want_t.float().norm()).item()
+        assert err <= PARAM_RTOL, f"{name}: {err:.2%} from the serial run's"

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distributed import comm
+from distributed import comm, fsdp
 from distributed.layout import Layout
 from training.checkpoint_files import (  # noqa: F401 - also this module's API
     checkpoint_dir,
@@ -276,7 +276,7 @@ class Checkpointer:
         device = self._device()
         # Never replace a good checkpoint by a broken one: every rank checks its own shard.
         bad = next((n for n, p in module.named_parameters()
-                    if not bool(torch.isfinite(p.detach()).all())), None)
+                    if not bool(torch.isfinite(fsdp.local(p.detach())).all())), None)
         if comm.any_rank(bad is not None, device):
             comm.settle()  # every rank raises now and exits
             raise DivergedError(

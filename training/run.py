@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import networks
 from data.checks import BatchScan
 from data.loader import get_loader
-from distributed import comm
+from distributed import comm, fsdp
 from distributed.layout import Layout
 from evaluation.scores import T2M, Normaliser, validate
 from networks.loss import build_loss
@@ -51,17 +51,23 @@ def build_model(cfg: Config, layout: Layout) -> torch.nn.Module:
     what = "on this rank" if layout.is_model_parallel else "in the model"
     log.info(f"Parameters {what}: {n_local / 1e6:.2f} M; memory after model set-up "
              f"(scaffolding high-water mark) {peak_memory_gb(layout.device):.2f} GB")
-    return wrap_model(model, cfg, layout.device)
+    return wrap_model(model, cfg, layout)
 
 
-def wrap_model(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.nn.Module:
-    """DDP over the data-parallel group, then torch.compile (training/compiling.py). DDP
-    averages over dp only: the ranks of a model-parallel group hold different shards, whose
-    gradients must not be mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture
-    of the full backward requires it (PyTorch CUDA semantics, "Usage with
-    DistributedDataParallel") and it costs nothing otherwise."""
+def wrap_model(model: torch.nn.Module, cfg: Config, layout: Layout) -> torch.nn.Module:
+    """How the data-parallel ranks share the model, decided here once: sharded by FSDP2
+    (`layout.fsdp`, distributed/fsdp.py), or replicated by DDP over the data-parallel
+    group; then torch.compile (training/compiling.py). Both reduce gradients over dp only:
+    the ranks of a model-parallel group hold different shards, whose gradients must not be
+    mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture of the full backward
+    requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel") and it costs
+    nothing otherwise."""
     compiling.prepare(cfg)  # the compile cache, before DDP's constructor asks Inductor for it
-    if comm.get_size("dp") > 1 and not cfg.noddp:
+    device = layout.device
+    if layout.fsdp:
+        model = fsdp.shard_model(model, fsdp.mesh_of(comm.get_group("dp"), device),
+                                 reshard_after_forward=not cfg.no_reshard_after_forward)
+    elif comm.get_size("dp") > 1 and not cfg.noddp:
         side = torch.cuda.Stream() if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # DDP all-reduces gradients bucket by bucket while backward is still running.
@@ -178,8 +184,9 @@ class Training:
         start = time.time()
         # Eagerly, without torch.compile: evaluation (no_grad, eval mode) would compile a
         # second graph of the model for little gain (docs/benchmarks.md, torch.compile).
-        val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
-                       self.layout, self.ctx.precision, self.norm)
+        with self.layout.evaluating(self.model):
+            val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
+                           self.layout, self.ctx.precision, self.norm)
         val_time = time.time() - start
         p, t2m = self.progress, self.norm.channel(T2M)
         if train_time is None:

@@ -132,6 +132,10 @@ class TrainingKeys(Keys):
     skip_initial_validation: Annotated[bool, Flag()] = Field(
         False, description="start training at once, without validating the untrained model "
                            "(no step-0 point on the curves)")
+    activation_checkpointing: Annotated[Literal["none", "blocks"], Flag()] = Field(
+        "none", description="blocks: keep only each transformer / AFNO block's input for "
+        "backward and recompute the block's activations there (less memory, more compute: "
+        "docs/memory.md)")
     graph_warmup: Annotated[int, Ge(3), Flag(script="train_mp_graphs.py")] = Field(
         20, description="eager steps before the CUDA-graph capture: they create the loss "
         "scale and Adam's state the graph reuses (at least 3, PyTorch's warm-up for graphed "
@@ -199,6 +203,14 @@ class ParallelKeys(Keys):
         False, description="DDP: no buffer broadcast each step; uses gradient_as_bucket_view")
     noddp: Annotated[bool, Flag()] = Field(
         False, description="skip the gradient all-reduce (wrong training; measures its cost)")
+    fsdp: Annotated[bool, Flag()] = Field(
+        False, description="shard parameters, gradients and optimizer state over the "
+        "data-parallel ranks (FSDP2, per block) instead of replicating them with DDP "
+        "(docs/memory.md)")
+    no_reshard_after_forward: Annotated[bool, Flag()] = Field(
+        False, description="FSDP: keep each block's gathered parameters from its forward to "
+        "its backward (FSDP2's reshard_after_forward=False): one all-gather per block less, "
+        "every block's whole parameters held meanwhile")
 
 
 class SourceKeys(Keys):
@@ -274,6 +286,12 @@ def _check_rollout(c: Config) -> None:
                          "(the DALI pipeline reads one target per sample)")
 
 
+def _check_data_parallel(c: Config) -> None:
+    if c.fsdp and c.noddp:
+        raise ValueError("fsdp shards the gradients over the data-parallel ranks, noddp skips "
+                         "their reduction: choose one (--fsdp or --noddp)")
+
+
 def _check_layout(c: Config) -> None:
     # Each model has its own model parallelism: the ViT splits matmuls and the sequence
     # (tp, cp), the AFNO splits its grid over the h x w mesh (a distributed FFT).
@@ -304,6 +322,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_splits(self)
         _check_channels(self)
         _check_rollout(self)
+        _check_data_parallel(self)
         return self
 
 

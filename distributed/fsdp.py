@@ -1,0 +1,127 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the
+data-parallel ranks, in place of DDP's replicas (`--fsdp`; docs/memory.md says when).
+
+DDP keeps on every rank the whole model, its gradients and Adam's two moments: 16 bytes per
+parameter in fp32. FSDP keeps 1/dp of each (dim 0 of every tensor split over the dp group)
+and, around each block's forward and backward, all-gathers that block's parameters; after
+the block's backward it reduce-scatters the gradients (the sum DDP's all-reduce computes,
+each rank keeping its shard of it, averaged over dp as DDP does). `fully_shard` is applied
+to every block, then to the whole model (patch embedding, position embedding, final norm
+and head gather with it), so at most a block or two are whole at any time.
+
+On a model-parallel layout each rank's tensors are its tp shard or its tile's copy, plain
+tensors (the tp/cp and spatial layers are written by hand, not with DTensor): FSDP shards
+those local tensors again over the layout's dp group, a one-dimensional device mesh of this
+rank's dp ranks. The ranks of a model-parallel group share their dp rank, so they hold the
+same slice of each shard: the sums of partial gradients over cp, h and w
+(`distributed.helpers.sync_shared_gradients`) run after FSDP's reduce-scatter, on these
+slices, 1/dp of the bytes they would move before it (both are linear: the order does not
+change the result).
+
+Precision: the forward runs under autocast (utils/precision.py), which casts each
+parameter for each op, as with DDP. FSDP therefore gathers fp32 parameters and reduces fp32
+gradients (its default `MixedPrecisionPolicy`): the same numbers as DDP in every `amp_mode`,
+at twice the gather bytes of a bf16 gather. Gathering in bf16/fp16 instead would change
+what autocast keeps in fp32 (the LayerNorms, the AFNO's spectral filter, which runs in fp32
+by design) and so the training itself.
+
+fully_shard replaces each parameter by a DTensor: `keep_annotations` carries the
+model-parallel annotations (distributed/helpers.py) over to it by name, and `local` gives
+the plain tensor of this rank's shard (what sums and checks work on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from utils.model_wrappers import uncompiled
+
+# What distributed/helpers.py and distributed/spatial.py record on a parameter.
+ANNOTATIONS = ("sharded_dims_mp", "is_shared_mp", "partial_grad_mp", "shard_blocks",
+               "full_shape")
+
+
+def mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The one-dimensional device mesh of `group`'s ranks (the layout's dp group)."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
+                ) -> nn.Module:
+    """`model` with every block, then the whole, sharded over the ranks of `mesh` (in
+    place; returned for chaining). `reshard_after_forward` False keeps each block's
+    gathered parameters from its forward to its backward (one all-gather less per block)."""
+    policy = MixedPrecisionPolicy()  # fp32 gathers and reductions: module docstring
+    with keep_annotations(model):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
+        # The root's own parameters stay gathered from forward to backward (FSDP2's choice
+        # for a root: its backward starts right after its forward).
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.blocks_reshard_after_forward = reshard_after_forward  # for `gathered`
+    return model
+
+
+@contextlib.contextmanager
+def keep_annotations(model: nn.Module) -> Iterator[None]:
+    """The model-parallel annotations of every parameter, set again on the parameter of the
+    same name after the block (which replaces parameters)."""
+    kept = {name: {a: getattr(p, a) for a in ANNOTATIONS if hasattr(p, a)}
+            for name, p in model.named_parameters()}
+    yield
+    for name, p in model.named_parameters():
+        for attribute, value in kept[name].items():
+            setattr(p, attribute, value)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor as a plain tensor sharing its memory; any other
+    tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (over the dp group) of a sharded parameter, gradient or optimizer
+    state: collective over the ranks that shard it. Any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`whole`, a tensor of `param`'s unsharded shape on every rank, cut as `param` is
+    sharded (no communication: every rank keeps its slice)."""
+    if not isinstance(param, DTensor):
+        return whole
+    return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every parameter of a sharded `model` whole on every rank for the duration (no-op for
+    another model): forward passes without backward then need no collective over dp.
+    Validation needs this: data-parallel ranks may hold different numbers of validation
+    batches, and a sharded forward would wait for a gather the other ranks never join."""
+    model = uncompiled(model)
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)  # every FSDP module of it
+    for m in modules:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+        for block in model.blocks:
+            block.set_reshard_after_forward(model.blocks_reshard_after_forward)

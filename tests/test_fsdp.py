@@ -1,0 +1,146 @@
+"""FSDP2 (`--fsdp`, distributed/fsdp.py): the model sharded over the data-parallel ranks in
+place of DDP's replicas, on every layout.
+
+In one process per rank (real gloo groups), the model and optimizer train.py and
+train_mp.py build (`training.run.wrap_model`, the layout's own layers and loss):
+  - FSDP over dp 2 alone, and with tp 2, cp 2 (ViT) or h 2 (AFNO) on 4 ranks, trains like
+    the serial model: loss, every gathered gradient, every parameter after 3 Adam steps
+    (the tolerances of tests/test_model_parallel_vit.py); every parameter, its gradient and
+    Adam's moments hold 1/dp of the rank's tensor;
+  - the checkpoint mapping (`Layout.full_tensor` / `local_tensor`) gives the serial tensors
+    and cuts them back into this rank's FSDP slices, bit for bit;
+  - validation with a different number of batches on each dp rank (`Layout.evaluating`)
+    gives the unsharded model's outputs and leaves the model sharded as it was.
+End to end (train.py and train_mp.py under torchrun, resume across FSDP and DDP, fp16
+with an overflow, the graphs script's refusal): tests/test_memory_runs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
+from sharded import scatter_image
+from torch.distributed.tensor import DTensor
+
+from distributed import comm
+from networks import build_model
+from networks.loss import l2_loss
+from training.run import build_optimizer, wrap_model
+from utils.config import read_config
+from utils.config_schema import Config
+
+RTOL, ATOL_ADAM, STEPS, BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
+SHAPES = {"vit": ("tiny", dict(img_size=[12, 28], patch_size=4, embed_dim=32, depth=2,
+                                num_heads=4)),
+          "afno": ("tiny_afno", dict(img_size=[28, 36], patch_size=4, embed_dim=16, depth=2,
+                                     num_blocks=4))}
+LAYOUTS = {"dp2": ("vit", {}, 2), "dp2xtp2": ("vit", {"tp": 2}, 4),
+           "dp2xcp2": ("vit", {"cp": 2}, 4), "dp2xh2": ("afno", {"h_parallel_size": 2}, 4),
+           # each block's gathered parameters kept from its forward to its backward
+           "dp2xtp2-no-reshard": ("vit", {"tp": 2, "no_reshard_after_forward": True}, 4),
+           # FSDP's gathers inside the recompute of a context-parallel block
+           "dp2xcp2-recompute": ("vit", {"cp": 2, "activation_checkpointing": "blocks"}, 4)}
+
+
+def _config(model: str, sizes: dict[str, int], **more) -> Config:
+    section, shape = SHAPES[model]
+    return read_config(CONFIG_FILE, section, environ={}).replace(
+        n_in_channels=3, n_out_channels=3, seed=5, fsdp=True, **shape, **sizes, **more)
+
+
+def _join(cfg: Config):
+    comm.init(tp=cfg.tp, cp=cfg.cp, h=cfg.h_parallel_size, w=cfg.w_parallel_size)
+    layout = layout_of(cfg)
+    assert layout.fsdp
+    return layout
+
+
+def _batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + step)
+    return (torch.randn(BATCH, 3, *cfg.img_size, generator=g),
+            torch.randn(BATCH, 3, *cfg.img_size, generator=g))
+
+
+def _mine(cfg: Config, layout, t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a global batch: its dp shard of the samples, its tile."""
+    dp, rank = comm.get_size("dp"), comm.get_rank("dp")
+    t = t[rank * BATCH // dp:(rank + 1) * BATCH // dp]
+    if layout.tile.is_whole:
+        return t
+    return scatter_image(t, tuple(n // cfg.patch_size for n in cfg.img_size), cfg.patch_size)
+
+
+def _trains_like_serial(name: str) -> None:
+    model_name, sizes, _ = LAYOUTS[name]
+    cfg = _config(model_name, sizes)
+    layout = _join(cfg)
+    serial = build_model(cfg.replace(fsdp=False, tp=1, cp=1, h_parallel_size=1))
+    model = wrap_model(build_model(cfg, layers=layout.layers), cfg, layout)
+    whole = {n: p.shape for n, p in build_model(cfg, layers=layout.layers).named_parameters()}
+    for n, p in model.named_parameters():  # 1/dp of this rank's tensor (dim 0, rounded up)
+        assert isinstance(p, DTensor) and p.shape == whole[n], n
+        assert p.to_local().shape[0] <= -(-whole[n][0] // comm.get_size("dp")), n
+    assert_trains_like_serial(
+        serial, model, [_batch(cfg, s) for s in range(STEPS)],
+        lambda m, x, y: l2_loss(m(x), y),
+        lambda m, x, y: l2_loss(m(_mine(cfg, layout, x)), _mine(cfg, layout, y),
+                            layout.sum_over_grid),
+        f"FSDP {name}", LR, RTOL, ATOL_ADAM)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fsdp_trains_like_serial_on_every_layout(name: str) -> None:
+    run_distributed(_trains_like_serial, LAYOUTS[name][2], name, timeout=180)
+
+
+def _checkpoint_mapping() -> None:
+    cfg = _config("vit", {"tp": 2})
+    layout = _join(cfg)
+    serial = dict(build_model(cfg.replace(fsdp=False, tp=1)).named_parameters())
+    model = wrap_model(build_model(cfg, layers=layout.layers), cfg, layout)
+    optimizer = build_optimizer(cfg, model)
+    x, y = _batch(cfg, 0)
+    l2_loss(model(_mine(cfg, layout, x)), _mine(cfg, layout, y)).backward()
+    layout.after_backward(model)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        full = layout.full_tensor(p.detach(), p)
+        assert full.shape == serial[name].shape and not isinstance(full, DTensor), name
+        back = layout.local_tensor(full, p)
+        assert isinstance(back, DTensor) and back.placements == p.placements, name
+        assert torch.equal(back.to_local(), p.detach().to_local()), name
+        for key, moment in optimizer.state[p].items():
+            if moment.dim() > 0:
+                again = layout.local_tensor(layout.full_tensor(moment, p), p)
+                assert torch.equal(again.to_local(), moment.to_local()), (name, key)
+
+
+@pytest.mark.distributed
+def test_checkpoint_tensors_are_the_serial_ones_and_cut_back_bitwise() -> None:
+    run_distributed(_checkpoint_mapping, 4, timeout=120)
+
+
+def _validation_with_uneven_batches() -> None:
+    cfg = _config("vit", {})
+    layout = _join(cfg)
+    plain = build_model(cfg.replace(fsdp=False))
+    model = wrap_model(build_model(cfg), cfg, layout)
+    batches = 3 if comm.get_rank("dp") == 0 else 1  # a sharded forward would wait forever
+    model.eval()
+    with torch.no_grad(), layout.evaluating(model):
+        for step in range(batches):
+            x, _ = _batch(cfg, step)
+            assert torch.equal(model(x), plain(x)), step
+    model.train()
+    for p in model.parameters():  # sharded again, and training goes on
+        assert p.to_local().shape[0] < p.shape[0] or p.shape[0] == 1
+    x, y = _batch(cfg, 0)
+    l2_loss(model(_mine(cfg, layout, x)), _mine(cfg, layout, y)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.distributed
+def test_validation_runs_a_different_number_of_batches_on_each_rank() -> None:
+    run_distributed(_validation_with_uneven_batches, 2, timeout=120)
