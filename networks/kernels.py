@@ -10,27 +10,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
-_chosen_as_on: ContextVar[str | None] = ContextVar("kernels_chosen_as_on", default=None)
+# A module global, not a ContextVar: torch.compile traces a global read (and guards on it)
+# but not ContextVar.get. The planner traces in the main thread, outside any compiled code.
+_chosen_as_on: str | None = None
 
 
 @contextlib.contextmanager
 def as_on(device_type: str) -> Iterator[None]:
     """Within the block, every kernel here chooses as on `device_type`."""
-    token = _chosen_as_on.set(device_type)
+    global _chosen_as_on
+    previous, _chosen_as_on = _chosen_as_on, device_type
     try:
         yield
     finally:
-        _chosen_as_on.reset(token)
+        _chosen_as_on = previous
 
 
 def _cpu_autocast(x: torch.Tensor) -> bool:
     """Whether `x` is computed as on a CPU under autocast (the CPU policies below)."""
-    device_type = _chosen_as_on.get() or x.device.type
+    device_type = _chosen_as_on or x.device.type
     return device_type == "cpu" and torch.is_autocast_enabled("cpu")
 
 # CPU autocast, sequences up to this many (query x key) tokens per head: the math path.
