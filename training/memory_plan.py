@@ -42,8 +42,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import networks
@@ -109,12 +107,16 @@ class _PhasePeaks:
                 self.peaks[self.where] = dict(snapshot)
 
 
-class _Tracker(_PhasePeaks, MemTracker):
-    pass
+def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> _PhasePeaks:
+    """A MemTracker (FSDPMemTracker under FSDP) that keeps the peak of each phase. Imported
+    here, not at the top: importing them sets TORCHINDUCTOR_CACHE_DIR to Inductor's /tmp
+    default, and a job that compiles chooses its cache first (training/compiling.py)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-
-class _FSDPTracker(_PhasePeaks, FSDPMemTracker):
-    pass
+    if fsdp:
+        return type("_FSDPTracker", (_PhasePeaks, FSDPMemTracker), {})(model, optimizer)
+    return type("_Tracker", (_PhasePeaks, MemTracker), {})()
 
 
 class _GlooCopies(TorchDispatchMode):
@@ -190,7 +192,7 @@ def _trace(cfg: Config, layout: Layout, local_batch: int,
             model = fsdp.shard_model(model, mesh,
                                      reshard_after_forward=not cfg.no_reshard_after_forward)
         optimizer = _optimizer(cfg, model, device_type)
-        tracker = _FSDPTracker(model, optimizer) if layout.fsdp else _Tracker()
+        tracker = _tracker(model, optimizer, layout.fsdp)
         if not layout.fsdp:
             tracker.track_external(model, optimizer)
         tracker.start_phase_tracking()
