@@ -41,9 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from distributed import comm
+from distributed import comm, fsdp
 from utils.parallel_axes import MODEL_PARALLEL
 
 # torch 2.13 renamed the single-tensor collectives; keep working on older releases.
@@ -189,7 +188,7 @@ def sync_shared_gradients(model: nn.Module) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:  # under FSDP, this rank's slice of the gradient (distributed/fsdp.py)
             if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad = fsdp.local(p.grad)
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():  # one message per group and dtype
             flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)
