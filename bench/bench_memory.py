@@ -42,7 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.bench_mp import torchrun_results
-from bench.memory_plan import Layout, layouts, plan_all
+from bench.memory_plan import Layout, layouts, model_summary, plan_all
 from utils.openmp import available_cores
 
 REPO = Path(__file__).resolve().parent.parent
@@ -312,9 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench.common import machine_label
 
-    h, w = cfg.img_size
-    print(f"## {args.config} on {args.gpus} CPU ranks: {cfg.model}, {h}x{w}, patch "
-          f"{cfg.patch_size}, embed {cfg.embed_dim}, depth {cfg.depth}, amp {cfg.amp_mode}, "
+    print(f"## {args.config} on {args.gpus} CPU ranks: {model_summary(cfg)}, "
+          f"amp {cfg.amp_mode}, "
           f"{'fused ' if cfg.enable_fused else ''}Adam; {available_cores()} cores, "
           f"{max(1, available_cores() // args.gpus)} threads per rank; "
           f"{machine_label(torch.device('cpu'))}; load {os.getloadavg()[0]:.1f}")

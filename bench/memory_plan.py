@@ -179,6 +179,13 @@ def plan_all(cfg: Any, gpus: int, gpu_memory_gb: float, gpus_per_node: int,
     return rows
 
 
+def model_summary(cfg: Any) -> str:
+    """The config's model in a few words, for a table's title line."""
+    h, w = cfg.img_size
+    return (f"{cfg.model}, {h}x{w}, patch {cfg.patch_size}, embed {cfg.embed_dim}, "
+            f"depth {cfg.depth}")
+
+
 def table(rows: list[dict[str, Any]], device_type: str) -> str:
     head = ("| dp | tp | cp | h | w | FSDP | recompute | params | grads | Adam | activations "
             "| comm | allowance | peak | after forward | fits |")
@@ -216,11 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    h, w = cfg.img_size
-    print(f"config {args.config}: {cfg.model}, {h}x{w}, patch {cfg.patch_size}, embed "
-          f"{cfg.embed_dim}, depth {cfg.depth}, global batch {cfg.global_batch_size}, "
-          f"amp {cfg.amp_mode}; {args.gpus} GPUs of {args.gpu_memory_gb:g} GB "
-          f"({args.gpus_per_node} per node); per rank, GB (GiB)")
+    print(f"config {args.config}: {model_summary(cfg)}, global batch "
+          f"{cfg.global_batch_size}, amp {cfg.amp_mode}; {args.gpus} GPUs of "
+          f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node); per rank, GB (GiB)")
     print(table(rows, args.device))
     if args.device == "cuda":
         print(f"allowance: {CONTEXT_GIB} GB (CUDA context, libraries, NCCL, memory the card "
