@@ -38,7 +38,8 @@ evaluate: venv data
 
 # The README walked as a newcomer walks it: every CPU command of its steps, as written, in a
 # fresh copy; prints each one's exit code, time and what it shows (docs/tutorial_walk.md).
-# About 26 minutes on 2 idle cores; not part of `make test`.
+# Meant to fit in half an hour on 2 cores (the last walk's times are in that page); not
+# part of `make test`.
 tutorial: venv data
 	$(PY) -m tools.tutorial_walk
 

@@ -4,7 +4,7 @@ order, in a fresh copy of this checkout. Prints a table: the command, its exit s
 time (and the time the README states), and whether what the README says to look at appeared.
 
     make tutorial                                   # the same as:
-    python -m tools.tutorial_walk                   # ~26 min on 2 idle cores
+    python -m tools.tutorial_walk                   # <= 30 min on 2 cores
     python -m tools.tutorial_walk --steps 8 12      # some steps only (the later ones may
                                                     # need the runs of earlier ones)
     python -m tools.tutorial_walk --dry_run         # the plan: what runs, what is skipped
