@@ -62,14 +62,20 @@ def _weighted_sums(x: torch.Tensor, weights: torch.Tensor, tile: Tile) -> torch.
     return (by_row.unsqueeze(-3) * w.unsqueeze(-2)).sum(dim=-1)
 
 
+def weighted_mean_channels(x: torch.Tensor, weights: torch.Tensor,
+                           tile: Tile | None = None) -> torch.Tensor:
+    """(..., C, H, W) pointwise values -> (..., C) for (H,) `weights`, (..., R, C) for
+    (R, H): their latitude-weighted mean over the whole grid, also when `x` is a `tile` of
+    it. `weights` are the whole grid's (evaluation/regions.py)."""
+    tile = _tile_of(x, tile)
+    return _over_grid(_weighted_sums(x, weights, tile), tile) / (tile.grid[0] * tile.grid[1])
+
+
 def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
                           tile: Tile | None = None) -> torch.Tensor:
     """(..., C, H, W) -> (..., C) for (H,) `weights`, (..., R, C) for (R, H): the
-    latitude-weighted mean squared error of the whole grid, also when the fields are a
-    `tile` of it. `weights` are the whole grid's (evaluation/regions.py)."""
-    tile = _tile_of(pred, tile)
-    sq = _weighted_sums((pred.float() - target.float()) ** 2, weights, tile)
-    return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
+    latitude-weighted mean squared error of the whole grid (`weighted_mean_channels`)."""
+    return weighted_mean_channels((pred.float() - target.float()) ** 2, weights, tile)
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
