@@ -10,12 +10,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= datasets/synthetic
+# The ensembles' data: the same planet with a random kick of z500 RMS FORCING m2/s2 every 6 h.
+ENS_DATA_DIR ?= datasets/synthetic_ens
+FORCING ?= 100
 CONFIG ?= cpu_quickstart
 
 # The unit tier is every test without a tier marker (pyproject.toml lists the markers).
 UNIT := not distributed and not e2e and not slurm and not gpu
 
-.PHONY: venv data train evaluate tutorial test test-fast test-dist test-e2e test-gpu lint bench clean
+.PHONY: venv data data-ens train evaluate tutorial test test-fast test-dist test-e2e test-gpu lint bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +32,11 @@ $(DATA_DIR)/stats/time_means.npy: | $(VENV)/.installed
 	$(PY) -m data.synthetic --out $(DATA_DIR)
 
 data: $(DATA_DIR)/stats/time_means.npy
+
+$(ENS_DATA_DIR)/stats/time_means.npy: | $(VENV)/.installed
+	$(PY) -m data.synthetic --out $(ENS_DATA_DIR) --forcing $(FORCING)
+
+data-ens: $(ENS_DATA_DIR)/stats/time_means.npy
 
 train: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) train.py --config=$(CONFIG)

@@ -23,11 +23,25 @@ samples_per_year 6-hourly samples and one full seasonal cycle (a real year is 14
 The dynamics run on a grid of at most 48 x 96 (at least 32 x 64) and are interpolated
 spectrally to the output grid. Defaults: 64 x 128, 128 samples per year (shortened 32-day
 years), 2 + 1 + 1 years.
+
+Stochastic forcing (`--forcing Z`, off by default): before each 6-hour step the planet gets a
+random kick, so that the next state cannot be computed from this one's channels and a
+forecast has something to be uncertain about. The kick adds independent random fields of the
+same spectrum (a Gaussian bump around total wavenumber 6, synoptic scales) to the barotropic
+and the baroclinic streamfunction, scaled so that the kick's z500 has an expected root mean
+square of Z m2/s2 (the PV of both layers changes accordingly). Its draws are keyed by (data
+seed, sample index, stream): the data's own trajectory is one stream, and the members of a
+perfect-model ensemble branched from a state (`Planet.branch`, data/perfect_ensemble.py) are
+others, independent of it and of each other. Such data sets also store, in their test years,
+the model state every sample was diagnosed from (`planet_state`), so that ensembles can be
+branched at any test sample. Forcing 0 draws nothing: the data are the deterministic planet's,
+byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 from pathlib import Path
@@ -40,7 +54,7 @@ from data.era5_names import CHANNEL_NAMES
 from data.grid import Grid, write_file_grid
 from data.statistics import PartialSums, write_stats
 
-__all__ = ["CHANNEL_NAMES", "generate", "grid_of", "main"]
+__all__ = ["CHANNEL_NAMES", "Planet", "generate", "grid_of", "main", "orography"]
 
 DT_HOURS = 6
 FIRST_YEAR = 2016
@@ -65,6 +79,11 @@ _CORE_MIN = (32, 64)
 # Mean geopotential of each level and the weight a of the baroclinic mode in
 # psi(level) = psi_barotropic + a * psi_baroclinic (upper layer ~ 300 hPa, lower ~ 750 hPa).
 _LEVELS = {"1000": (1.0e3, -1.2), "850": (1.4e4, -0.8), "500": (5.5e4, 0.6), "50": (2.0e5, 1.6)}
+# Stochastic forcing: the kick's spectrum (total wavenumber, in units of 1 / Earth radius) and
+# the words that key its draws (a sample index + _INDEX_OFFSET is >= 0 from the spin-up on).
+_KICK_WAVENUMBER, _KICK_WIDTH = 6.0, 3.0
+_FORCING_KEY, _INDEX_OFFSET = 40, 2**20
+DATA_STREAM = (0, 0, 0)
 
 
 def _wavenumbers(ny: int, nx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +113,7 @@ def grid_of(h: int, w: int) -> Grid:
     return Grid(90.0 - 180.0 * np.arange(h) / h, 360.0 * np.arange(w) / w)
 
 
-def _orography(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def orography(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """Fixed smooth continents (land mask) and mountains in metres, same planet at any size."""
     rng = np.random.default_rng(_PLANET_SEED)
     n = 7  # only wavenumbers < 7 so the planet is resolved on every grid
@@ -119,11 +138,25 @@ def _qsat(t850: np.ndarray, t500: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             8.0 * np.exp(0.065 * (np.minimum(t500, 330.0) - 255.0)))
 
 
-class _Planet:
+def _kick_spectrum(k2: np.ndarray, mask: np.ndarray, nx: int) -> np.ndarray:
+    """rfft2 filter of the kick: the rfft2 of white noise on the grid times it is a field of
+    the kick's spectrum with expected variance 1 (the mean of filter^2 over the full spectrum
+    is 1; the rfft half holds each column kx > 0 once for +kx and -kx)."""
+    f = np.exp(-(((np.sqrt(k2) - _KICK_WAVENUMBER) / _KICK_WIDTH) ** 2)) * mask * (k2 > 0)
+    twice = np.full(f.shape, 2.0)
+    twice[:, 0] = 1.0  # kx = 0 (and an even grid's Nyquist column) has no mirror
+    if nx % 2 == 0:
+        twice[:, -1] = 1.0
+    return f / np.sqrt((twice * f**2).sum() / (k2.shape[0] * nx))
+
+
+class Planet:
     """Spectral two-layer QG model with two moisture tracers on an (ny, nx) grid."""
 
-    def __init__(self, ny: int, nx: int, seed: int, samples_per_year: int) -> None:
+    def __init__(self, ny: int, nx: int, seed: int, samples_per_year: int,
+                 forcing: float = 0.0) -> None:
         self.ny, self.nx, self.spy = ny, nx, samples_per_year
+        self.seed, self.forcing, self.stream = seed, float(forcing), DATA_STREAM
         self.ky, self.kx = _wavenumbers(ny, nx)
         k2 = self.kx**2 + self.ky**2
         kmax = min(nx // 2, ny)  # ky = 2 * row mode, so both directions reach ~nx / 2
@@ -134,7 +167,7 @@ class _Planet:
         self.kcut, self.steps = kmax * 2 / 3, 0
         # del^8 hyperdiffusion: e-folding in _HYPER_HOURS at the cutoff, negligible at large scales.
         self.hyper_rate = (k2 / self.kcut**2) ** 4 / (_HYPER_HOURS / 24.0 * _DAY)
-        self.land, orog = _orography((ny, nx))
+        self.land, orog = orography((ny, nx))
         self.topo_h = np.fft.rfft2(0.004 * orog) * self.mask  # f0 h / H in PV units
         self.evap = np.where(self.land, 1.0 / (6.0 * _DAY), 1.0 / (1.5 * _DAY))
         self.lat = _latitudes(ny)[:, None]
@@ -146,6 +179,8 @@ class _Planet:
         self.state = np.fft.rfft2(np.stack([q1, q2, 0.7 * qs_lo, 0.4 * qs_hi])) * self.mask
         self.state[1] += self.topo_h
         self.index = -int(round(_SPINUP_DAYS * 4))  # first written sample has index 0
+        if self.forcing > 0:
+            self.kick_spectrum = _kick_spectrum(k2, self.mask, nx)
 
     def _tau_eq(self, phase: float) -> np.ndarray:
         shift = _SEASON_SHIFT * np.sin(2 * np.pi * phase)
@@ -178,11 +213,36 @@ class _Planet:
         nl[1] += -_BETA * ikx * p2 - thick + _DRAG * self.k2 * p2
         return nl * self.mask
 
+    def kick(self) -> np.ndarray:
+        """This sample's random change of the layers' PV (rfft2, (2, ny, nx // 2 + 1)): a
+        barotropic and a baroclinic streamfunction kick whose z500 has an expected root
+        mean square of `forcing` m2/s2, drawn from (seed, index, stream)."""
+        rng = np.random.default_rng([self.seed, _FORCING_KEY, self.index + _INDEX_OFFSET,
+                                     *self.stream])
+        scale = self.forcing / (_PSI_TO_PHI * np.hypot(1.0, _LEVELS["500"][1]))
+        bt, bc = np.fft.rfft2(rng.standard_normal((2, self.ny, self.nx))) * (
+            scale * self.kick_spectrum)
+        # psi1 + psi2 = 2 bt and psi1 - psi2 = 2 bc, inverted as in `streamfunctions`.
+        stretched = (self.k2 + 2 * _F) * bc
+        return np.stack([-self.k2 * bt - stretched, -self.k2 * bt + stretched])
+
+    def branch(self, member: int, ensemble_seed: int = 0) -> Planet:
+        """A copy of this planet that continues with its own forcing draws: member `member`
+        of the ensemble `ensemble_seed` branched at this sample, independent of the data's
+        trajectory, of the other members and of branches at other samples."""
+        twin = copy.deepcopy(self)
+        twin.stream = (1 + ensemble_seed, self.index + _INDEX_OFFSET, member)
+        return twin
+
     def advance(self) -> None:
-        """Integrate one 6-hour sample with RK4 substeps, then rain out supersaturation."""
+        """Integrate one 6-hour sample with RK4 substeps, then rain out supersaturation
+        (kicked first, with stochastic forcing)."""
         phase = (self.index % self.spy) / self.spy
         tau_eq_h = np.fft.rfft2(self._tau_eq(phase)) * self.mask
         s = self.state
+        if self.forcing > 0:
+            s = s.copy()
+            s[:2] += self.kick() * self.mask
         p1, p2 = self.streamfunctions(s)
         iky, ikx = 1j * self.ky, 1j * self.kx
         wind = np.abs(np.fft.irfft2(np.stack([iky * p1, ikx * p1, iky * p2, ikx * p2]),
@@ -263,9 +323,13 @@ def _expected_files(out: Path, years: dict[str, list[int]]) -> list[Path]:
 
 def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
              samples_per_year: int = 128, train_years: int = 2, valid_years: int = 1,
-             test_years: int = 1, seed: int = 0, force: bool = False) -> dict:
-    """Write the synthetic data set; returns a summary (paths, sizes, seconds, skipped)."""
+             test_years: int = 1, seed: int = 0, force: bool = False,
+             forcing: float = 0.0) -> dict:
+    """Write the synthetic data set; returns a summary (paths, sizes, seconds, skipped).
+    `forcing`: the stochastic kick's z500 root mean square in m2/s2 (module docstring)."""
     h, w = (int(v) for v in img_size)
+    if not forcing >= 0:
+        raise ValueError(f"forcing must be >= 0 (m2/s2 of z500), got {forcing}")
     for name, val, low in (("img_size", min(h, w), 4), ("samples_per_year", samples_per_year, 2),
                            ("train_years", train_years, 1), ("valid_years", valid_years, 1),
                            ("test_years", test_years, 1)):
@@ -279,22 +343,23 @@ def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
         first += counts[split]
     files = _expected_files(out, years)
     summary = {"out_dir": str(out), "files": [str(f) for f in files], "img_size": (h, w),
-               "samples_per_year": samples_per_year, "years": years, "seed": seed}
+               "samples_per_year": samples_per_year, "years": years, "seed": seed,
+               "forcing": forcing}
     if not force and all(f.exists() for f in files):
         with h5py.File(files[0], "r") as f:
             ds = f["fields"]
-            found = (ds.shape, int(ds.attrs["seed"]))
-        if found != ((samples_per_year, len(CHANNEL_NAMES), h, w), seed):
+            found = (ds.shape, int(ds.attrs["seed"]), float(ds.attrs.get("forcing", 0.0)))
+        if found != ((samples_per_year, len(CHANNEL_NAMES), h, w), seed, forcing):
             raise ValueError(f"{out} holds a different data set {found}; use --force")
         print(f"{out} is complete, nothing to do (use --force to regenerate)")
         return {**summary, "skipped": True, "seconds": 0.0}
 
     start = time.perf_counter()
-    planet = _Planet(min(max(h, _CORE_MIN[0]), _CORE_MAX[0]),
-                     min(max(w, _CORE_MIN[1]), _CORE_MAX[1]), seed, samples_per_year)
+    planet = Planet(min(max(h, _CORE_MIN[0]), _CORE_MAX[0]),
+                    min(max(w, _CORE_MIN[1]), _CORE_MAX[1]), seed, samples_per_year, forcing)
     while planet.index < 0:  # spin up to the statistically stationary turbulent state
         planet.advance()
-    land, orog = _orography((h, w))
+    land, orog = orography((h, w))
     stats = PartialSums.empty()
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
@@ -308,7 +373,7 @@ def generate(out_dir: str | os.PathLike, img_size: tuple[int, int] = (64, 128),
     return {**summary, "skipped": False, "seconds": seconds, "bytes": size}
 
 
-def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.ndarray,
+def _write_year(path: Path, planet: Planet, shape: tuple[int, int], land: np.ndarray,
                 orog: np.ndarray, split: str, year: int, samples_per_year: int, seed: int,
                 stats: PartialSums | None) -> None:
     """One year file, written under a temporary name and renamed when complete."""
@@ -324,6 +389,18 @@ def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.nd
             "samples_per_year": samples_per_year,
             "description": "synthetic ERA5-like two-layer QG planet, row 0 = north",
         })
+        state = None
+        if planet.forcing > 0:  # stochastic: say so, and keep the test years' states
+            ds.attrs["forcing"] = planet.forcing
+            if split == "test":
+                state = f.create_dataset(
+                    "planet_state", (samples_per_year, *planet.state.shape),
+                    dtype=planet.state.dtype, chunks=(1, *planet.state.shape),
+                    track_times=False)
+                state.attrs["grid"] = (planet.ny, planet.nx)
+                state.attrs["description"] = (
+                    "rfft2 of the dynamics' state (PV of both layers, two moisture tracers) "
+                    "each sample was diagnosed from: data/perfect_ensemble.py branches it")
         write_file_grid(f, grid_of(h, w))
         # Time labels: 1 January of `year`, at the hour of day of the planet's diurnal cycle.
         jan1 = (np.datetime64(f"{year}-01-01T00", "h") - np.datetime64("1970-01-01T00", "h"))
@@ -335,6 +412,8 @@ def _write_year(path: Path, planet: _Planet, shape: tuple[int, int], land: np.nd
         for i in range(samples_per_year):
             x = planet.diagnose((h, w), land, orog)
             ds[i] = x
+            if state is not None:
+                state[i] = planet.state
             if stats is not None:
                 stats.add(x[None], phase[i:i + 1], hour[i:i + 1])
             planet.advance()
@@ -358,11 +437,15 @@ def main(argv: list[str] | None = None) -> None:
     for split, n in (("train", 2), ("valid", 1), ("test", 1)):
         parser.add_argument(f"--{split}_years", type=_positive_int, default=n)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--forcing", type=float, default=0.0, metavar="Z",
+                        help="stochastic forcing: a random kick before every 6-hour step "
+                        "whose z500 has a root mean square of Z m2/s2 (0: none, the "
+                        "deterministic planet)")
     parser.add_argument("--force", action="store_true", help="regenerate even if complete")
     args = parser.parse_args(argv)
     try:
         generate(args.out, tuple(args.img_size), args.samples_per_year, args.train_years,
-                 args.valid_years, args.test_years, args.seed, args.force)
+                 args.valid_years, args.test_years, args.seed, args.force, args.forcing)
     except ValueError as err:
         parser.error(str(err))
 

@@ -62,14 +62,20 @@ def _weighted_sums(x: torch.Tensor, weights: torch.Tensor, tile: Tile) -> torch.
     return (by_row.unsqueeze(-3) * w.unsqueeze(-2)).sum(dim=-1)
 
 
+def weighted_mean_channels(x: torch.Tensor, weights: torch.Tensor,
+                           tile: Tile | None = None) -> torch.Tensor:
+    """(..., C, H, W) pointwise values -> (..., C) for (H,) `weights`, (..., R, C) for
+    (R, H): their latitude-weighted mean over the whole grid, also when `x` is a `tile` of
+    it. `weights` are the whole grid's (evaluation/regions.py)."""
+    tile = _tile_of(x, tile)
+    return _over_grid(_weighted_sums(x, weights, tile), tile) / (tile.grid[0] * tile.grid[1])
+
+
 def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
                           tile: Tile | None = None) -> torch.Tensor:
     """(..., C, H, W) -> (..., C) for (H,) `weights`, (..., R, C) for (R, H): the
-    latitude-weighted mean squared error of the whole grid, also when the fields are a
-    `tile` of it. `weights` are the whole grid's (evaluation/regions.py)."""
-    tile = _tile_of(pred, tile)
-    sq = _weighted_sums((pred.float() - target.float()) ** 2, weights, tile)
-    return _over_grid(sq, tile) / (tile.grid[0] * tile.grid[1])
+    latitude-weighted mean squared error of the whole grid (`weighted_mean_channels`)."""
+    return weighted_mean_channels((pred.float() - target.float()) ** 2, weights, tile)
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor,
@@ -132,7 +138,8 @@ class Normaliser:
 def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layout: Layout,
              precision: Precision, norm: Normaliser, max_batches: int | None = None
              ) -> dict[str, Any]:
-    """The training loss (`loss_fn`, the run's), latitude-weighted RMSE(u10m) in m/s
+    """The run's loss (`loss_fn`, in eval mode: `crps` scores the fair CRPS there, not the
+    training one, networks/loss.py), latitude-weighted RMSE(u10m) in m/s
     (WeatherBench-2's: the root of the mean over samples of the global weighted MSE, as
     inference.py reports it), persistence RMSE
     and ACC (anomalies against the time mean) over the validation set, summed over the
@@ -140,6 +147,7 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
     rank's tile of every field (the layout's), and the scores are those of the whole grid
     (collectives over "h-w": every rank of the mesh calls this)."""
     model.eval()
+    loss_fn.eval()
     tile, device = layout.tile, layout.device
     climatology = norm.climatology[..., tile.rows, tile.cols]
     weights = norm.weights[0]  # global
@@ -169,6 +177,7 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
     n = max(totals[5].item(), 1.0)
     rmse = torch.sqrt(totals[1:3] / n * var_u10).tolist()
     model.train()
+    loss_fn.train()
     return {"loss": totals[0].item() / n, "rmse_u10m": rmse[0],
             "persistence_rmse_u10m": rmse[1], "acc_u10m": totals[3].item() / n,
             "acc_t2m": totals[4].item() / n, "samples": n, "example_t2m": first}

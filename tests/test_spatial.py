@@ -58,11 +58,15 @@ def _run(h: int, w: int) -> None:
     # Every region's weights of the whole grid; each rank scores its tile's rows of them.
     _, weights = region_weights(tutorial_grid(*pred.shape[-2:]))
     wts = torch.from_numpy(weights).float()
+    # An ensemble of 4 members around the prediction, (B, E, C, H, W), for `crps`.
+    members = pred[:, None] + 0.3 * torch.randn((pred.shape[0], 4, *pred.shape[1:]),
+                                                generator=torch.Generator().manual_seed(1))
     for name in LOSSES:  # each loss, as build_training builds it on this layout
-        pred_full = pred.clone().requires_grad_()
+        forecast = members if name == "crps" else pred
+        pred_full = forecast.clone().requires_grad_()
         serial = build_loss(name, wts[0])(pred_full, target)
         serial.backward()
-        pred_tile = tile(pred).requires_grad_()
+        pred_tile = tile(forecast).requires_grad_()
         loss = build_loss(name, wts[0, rows], layout.sum_over_grid)(pred_tile, tile(target))
         loss.backward()
         assert_close_rel(loss.detach(), serial.detach(), f"{where} {name} loss", RTOL)

@@ -113,7 +113,7 @@ def test_linear_predictor_is_not_enough(tiny_data):
 
 def test_nearby_states_diverge():
     """Chaos: a tiny perturbation of a turbulent state grows by a large factor in 16 days."""
-    planet = sd._Planet(32, 64, seed=0, samples_per_year=64)
+    planet = sd.Planet(32, 64, seed=0, samples_per_year=64)
     for _ in range(120):
         planet.advance()
     twin = copy.deepcopy(planet)

@@ -229,8 +229,10 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
     val_loader, _, _ = get_loader(cfg, cfg.valid_data_path, train=False, **shard)
     norm = Normaliser(cfg, layout.device)
     # The config's loss, of this rank's rows, its sums completed over the grid as the
-    # layout says; training and validation call this one object.
-    loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid)
+    # layout says; training and validation (in eval mode: `crps` is then the fair CRPS)
+    # call this one object.
+    loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid,
+                      crps_alpha=cfg.crps_alpha)
     loss = compiling.compile_loss(loss, cfg, whole_grid=layout.sum_over_grid is None)
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)

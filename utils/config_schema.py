@@ -113,9 +113,14 @@ class TrainingKeys(Keys):
         None, description="samples per rank; if set, global = local x dp size")
     num_iters: Annotated[PosInt, Flag()] = Field(
         description="training iterations (optimizer steps)")
-    loss: Annotated[Literal["relative_l2", "weighted_mse"], Flag()] = Field(
+    loss: Annotated[Literal["relative_l2", "weighted_mse", "crps"], Flag()] = Field(
         "relative_l2", description="training and validation loss (networks/loss.py): the "
-        "tutorial's relative L2 error, or the latitude-weighted MSE")
+        "tutorial's relative L2 error, the latitude-weighted MSE, or the latitude-weighted "
+        "almost-fair CRPS of an ensemble forecast")
+    crps_alpha: Annotated[float, Ge(0), Le(1), Flag()] = Field(
+        0.95, description="training weight of the fair part of the `crps` loss (1: the fair "
+        "CRPS, 0: the CRPS of the members' empirical distribution); validation and "
+        "evaluation score the fair CRPS")
     lr: PosFloat = Field(description="peak learning rate")
     lr_schedule: Literal["cosine", "constant"] = Field(
         "cosine", description="after warm-up: cosine decay to 0 at num_iters, or constant")
