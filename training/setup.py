@@ -21,6 +21,7 @@ from training.run_dirs import choose_run, compose, create_run, run_label
 from utils.allocator import keep_freed_memory
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.hardware import cpu_class
 from utils.openmp import describe as describe_wait_policy
 from utils.precision import Precision, choose_precision
 
@@ -100,7 +101,8 @@ def seed_everything(seed: int) -> None:
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"Using GPU {torch.cuda.get_device_name(device)} (cuda:{device.index})"
-    return f"CUDA not available: training on CPU with {torch.get_num_threads()} threads"
+    return (f"CUDA not available: training on CPU with {torch.get_num_threads()} threads; "
+            f"{cpu_class().describe()}")
 
 
 def peak_memory_gb(device: torch.device) -> float:
