@@ -33,7 +33,7 @@ from utils.hardware import (
     onednn_cap,
     parse_override,
 )
-from utils.precision import auto_amp_mode, choose_precision, warn_emulated
+from utils.precision import auto_amp_mode, choose_precision, warn_once
 
 CPU = torch.device("cpu")
 FLAGS = ("avx2", "avx512_f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
@@ -195,7 +195,7 @@ def test_choosing_auto_gives_the_hardwares_choice_and_logs_why(caplog):
 
 
 def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(caplog):
-    warn_emulated.cache_clear()
+    warn_once.cache_clear()
     cpu = CpuPrecision(frozenset(), f"{ENV_OVERRIDE}=none")
     with caplog.at_level(logging.INFO, logger="train"):
         for _ in range(2):  # a second choice (e.g. a second build) does not repeat it
@@ -204,7 +204,10 @@ def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(ca
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert re.search(r"amp_mode bf16 is emulated on this CPU \(.*CPU_NATIVE_PRECISION=none\): "
                      r"a 256\^3 matmul measured [\d.]+x the time of fp32 \([\d.]+ vs [\d.]+ "
-                     r"GFLOP/s\); amp_mode auto picks none here", lines[0]), lines[0]
+                     r"GFLOP/s\)\. ", lines[0]), lines[0]
+    # what to run instead: the side-by-side measurement, and the mode that trains at speed
+    assert "python -m bench.bench_step --config <config> --amp_modes none bf16" in lines[0]
+    assert lines[0].endswith("full speed here: --amp_mode auto (trains in fp32)"), lines[0]
 
 
 def test_native_or_fp32_choices_do_not_warn(caplog):
@@ -225,7 +228,7 @@ def test_native_or_fp32_choices_do_not_warn(caplog):
     ("bf16", set(), "Precision: bf16 autocast, but amp_mode bf16 is emulated on this CPU"),
 ])
 def test_every_choice_says_the_precision_in_one_line(caplog, mode, native, line):
-    warn_emulated.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="train"):
         choose_precision(mode, CPU, CpuPrecision(frozenset(native), "flags"))
     lines = [r.getMessage() for r in caplog.records]

@@ -129,8 +129,8 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
     seed_everything(cfg.seed)
     if not announce:
         run_dir, why = choose_run_dir(cfg, layout.device, log_file=False)
-        return RunContext(choose_precision(cfg.amp_mode, layout.device), local, global_,
-                          run_dir, why)
+        precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
+        return RunContext(precision, local, global_, run_dir, why)
     rank, world = comm.get_world_rank(), comm.get_world_size()
     config_logger(rank)
     run_dir, why = choose_run_dir(cfg, layout.device)
@@ -142,5 +142,5 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
              f"global batch {global_}, local batch {local}")
     log_config(cfg)
     log.info(layout.describe())
-    precision = choose_precision(cfg.amp_mode, layout.device)
+    precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
     return RunContext(precision, local, global_, run_dir, why)
