@@ -152,3 +152,17 @@ def test_the_walk_report_is_a_docs_section_headed_by_its_class():
     assert text.startswith("### CPU class avx2\n\nAMD EPYC, 2 CPUs; CPU class avx2: ...\n\n"
                            "| step | command | exit | wall | CPU | README says |"), text
     assert "1 commands run, 0 skipped, 0 failed" in text and "(3.2 min of CPU time)" in text
+
+
+def test_no_cpu_command_of_the_tutorial_trains_in_a_precision_it_may_emulate():
+    """Step 5 stays short on every CPU: its CPU command times bf16 against fp32 side by
+    side within a budget, and no CPU training run asks for bf16 or fp16 outright (on a CPU
+    that emulates it, 64 iterations took 13 min); `auto` is fp32 there."""
+    commands = [c for c in tutorial_commands(REPO) if not c.skip]
+    step5 = [c.text for c in commands if c.step == "5"]
+    assert len(step5) == 1 and "bench.bench_step" in step5[0], step5
+    assert "--amp_modes none bf16" in step5[0]
+    budget = re.search(r"--budget_s (\d+)", step5[0])
+    assert budget and int(budget.group(1)) <= 120, step5
+    for c in commands:
+        assert not re.search(r"--amp_mode[= ](bf16|fp16)\b", c.text), c.text
