@@ -59,7 +59,15 @@ from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import config_of, data_paths, find_data, machine_label
 from bench.floor import ElementwiseFloor, MachineRates
-from bench.report import Limits, Summary, print_report, print_split, print_table, summarise
+from bench.report import (
+    Limits,
+    Summary,
+    print_precisions,
+    print_report,
+    print_split,
+    print_table,
+    summarise,
+)
 from bench.step_runner import StepRunner
 from bench.time_split import Split
 from distributed import comm
@@ -69,7 +77,7 @@ from training.setup import batch_sizes
 from utils.allocator import keep_freed_memory
 from utils.config import flag_parser, flags_given, load_yaml
 from utils.config_schema import Config
-from utils.precision import auto_amp_mode, autocast_dtype, precision_line
+from utils.precision import auto_amp_mode, autocast_dtype
 
 # The --table ladder: each row adds one tutorial optimisation to the row above it. Then the
 # config's `_opt` relative as written (cpu_short -> cpu_short_opt), when there is one.
@@ -168,18 +176,6 @@ def set_up(cases: list[tuple[str, Config]], layout: Layout, budget: Budget,
         print(f"  set up and warmed up '{label}' in {time.perf_counter() - start:.0f} s",
               file=sys.stderr, flush=True)
     return runners
-
-
-def fitting_iters(runners: list[StepRunner], budget: Budget, iters: int) -> int:
-    """At most `iters` timed steps per block; fewer (at least 1) where one round of the
-    settings' steps would not fit the time left (an emulated precision's slow steps)."""
-    fit = iters
-    while fit > 1 and budget.reserve(runners, fit) > budget.left():
-        fit -= 1
-    if fit < iters:
-        print(f"  {fit} timed step(s) per block instead of --iters {iters}: a round of "
-              f"{iters} would overrun --budget_s", file=sys.stderr, flush=True)
-    return fit
 
 
 def one_round(runners: list[StepRunner], mm: MatmulCeiling,
@@ -295,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
     runners = set_up(cases, layout, budget, args.warmup, args.iters)
     ceilings, floors = limits_of(runners, mm, budget)
-    iters = fitting_iters(runners, budget, args.iters)
+    iters = budget.fitting_iters(runners, args.iters)
     load_start = os.getloadavg()[0]
     results = measure(runners, mm, ceilings, iters, args.repeats, budget)
     splits = time_splits(runners, budget)
@@ -395,7 +391,7 @@ def describe_ceiling(c: ShapeTrueCeiling | None) -> str:
 def report(args: argparse.Namespace, summaries: list[Summary], splits: dict[str, Split],
            limits: dict[str, Limits], device: torch.device) -> None:
     if args.amp_modes:
-        print_precisions(args, summaries, device)
+        print_precisions(args.amp_modes, args.config, summaries, device)
     elif args.table:
         print_table(summaries)
     else:
@@ -403,21 +399,6 @@ def report(args: argparse.Namespace, summaries: list[Summary], splits: dict[str,
     if splits:
         print()
         print_split(splits, {s.label: s for s in summaries}, limits)
-
-
-def print_precisions(args: argparse.Namespace, summaries: list[Summary],
-                     device: torch.device) -> None:
-    """Each precision's line (what train.py says at start-up), the table, and each
-    precision's speed against the first one's, measured side by side."""
-    for mode in dict.fromkeys(args.amp_modes):
-        print(precision_line(mode, device, config=args.config)[1])
-    print()
-    print_table(summaries)
-    first = summaries[0]
-    for s in summaries[1:]:
-        ratio = s.full_sps / first.full_sps
-        print(f"\n'{s.label}' against '{first.label}': {ratio:.2f}x the samples/s, a step "
-              f"{1 / ratio:.{2 if ratio > 1 else 1}f}x as long")
 
 
 if __name__ == "__main__":
