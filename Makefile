@@ -46,10 +46,11 @@ evaluate: venv data
 
 # The README walked as a newcomer walks it: every CPU command of its steps, as written, in a
 # fresh copy; prints each one's exit code, time and what it shows (docs/tutorial_walk.md).
-# Meant to fit in half an hour on 2 cores (the last walk's times are in that page); not
-# part of `make test`.
+# Meant to fit in half an hour on 2 cores (the last walks' times are in that page); not
+# part of `make test`. CPU_CLASS=avx2 (avx512, avx512_bf16, amx): as a CPU of that class
+# computes, by capping this one's instruction set (not its speed).
 tutorial: venv data
-	$(PY) -m tools.tutorial_walk
+	$(PY) -m tools.tutorial_walk $(if $(CPU_CLASS),--cpu_class $(CPU_CLASS))
 
 # Everything (what CI runs): unit, distributed, e2e and SLURM; tests/gpu skips without CUDA.
 test: venv

@@ -4,6 +4,7 @@ every timing interleaved.
     DATA_DIR=datasets/synthetic python -m bench.bench_step --config cpu_short
     python -m bench.bench_step --config cpu_short --amp_mode auto --enable_fused --enable_jit
     python -m bench.bench_step --config cpu_short --table --budget_s 120   # docs/benchmarks.md
+    python -m bench.bench_step --config cpu_short --amp_modes none bf16   # README step 5
 
 Per setting:
 (a) ceilings, for the precision the setting computes in (bench/ceilings.py): one n^3
@@ -22,6 +23,10 @@ setting's full step into GEMM / attention / elementwise+norm / optimizer / loade
 Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model work.
 `--budget_s` bounds the whole run, set-up included: settings that would not fit are skipped
 (a torch.compile that runs too long is interrupted), rounds stop when the next would overrun.
+`--amp_modes none bf16` times the config in each precision side by side (README step 5): each
+one's precision line, then the table and the ratio to the first. A block holds fewer than
+`--iters` steps where a setting's steps (an emulated precision's) are too slow for a round
+to fit the budget, so it stays about a minute on every CPU.
 Every setting is started by `training.setup.start_run`, built by `training.run.build_model`
 and `build_training`, and steps with `training.step.Step`, exactly as train.py runs them.
 Without a data set under the config's data_dir (or DATA_DIR) the loader reads a small
@@ -54,7 +59,15 @@ from bench.budget import Budget, OverBudget
 from bench.ceilings import MatmulCeiling, ShapeTrueCeiling, precision_label
 from bench.common import config_of, data_paths, find_data, machine_label
 from bench.floor import ElementwiseFloor, MachineRates
-from bench.report import Limits, Summary, print_report, print_split, print_table, summarise
+from bench.report import (
+    Limits,
+    Summary,
+    print_precisions,
+    print_report,
+    print_split,
+    print_table,
+    summarise,
+)
 from bench.step_runner import StepRunner
 from bench.time_split import Split
 from distributed import comm
@@ -117,6 +130,16 @@ def ladder_cases(args: argparse.Namespace, paths: dict[str, str], log_dir: str,
             cases[same[-1]] = (f"{cases[same[-1]][0]} = {opt}", cases[same[-1]][1])
         else:
             cases.append((f"{opt} as written ({describe(p, device)})", p))
+    return cases
+
+
+def precision_cases(args: argparse.Namespace, paths: dict[str, str], log_dir: str,
+                    device: torch.device) -> list[tuple[str, Config]]:
+    """The config as written, once in each of --amp_modes."""
+    cases = []
+    for mode in dict.fromkeys(args.amp_modes):
+        label = f"amp_mode {mode}" + (f" ({resolved(mode, device)} here)" if mode == "auto" else "")
+        cases.append((label, case_config(args, {"amp_mode": mode}, paths, log_dir)))
     return cases
 
 
@@ -208,8 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timed steps per block: per setting and round, bare and full each")
     p.add_argument("--repeats", type=int, default=10,
                    help="interleaved rounds at most (many short rounds: robust to load)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps per setting first (torch.compile compiles here)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per setting first (torch.compile compiles here); "
+                   "default 2, with --amp_modes 1")
     p.add_argument("--budget_s", type=float, default=480.0,
                    help="the whole run, set-up included, ends within about this many seconds")
     p.add_argument("--ceiling_size", type=int, default=2048,
@@ -219,10 +243,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "on a machine shared with other jobs; see bench/clock.py)")
     p.add_argument("--table", action="store_true",
                    help="time the optimisation ladder and print a markdown table")
+    p.add_argument("--amp_modes", nargs="+", choices=("none", "bf16", "fp16", "auto"),
+                   default=None, help="time the config in each of these precisions, side by "
+                   "side: each one's precision line, a table, the ratio to the first")
     p.add_argument("--ddp_ranks", type=int, default=2,
                    help="with --table: also DDP x this many processes of the config as "
                    "written (bench/ddp_step.py); 0: not")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.amp_modes else 2
+    if args.table and args.amp_modes:
+        p.error("--table and --amp_modes are two different tables: give one")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     flops = training_flops(base)
     if args.table:
         cases = ladder_cases(args, paths, log_dir, device)
+    elif args.amp_modes:
+        cases = precision_cases(args, paths, log_dir, device)
     else:
         p = case_config(args, {}, paths, log_dir)
         cases = [(describe(p, device), p)]
@@ -257,20 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     mm = MatmulCeiling(device, dtypes, n=args.ceiling_size, tries=2)
     runners = set_up(cases, layout, budget, args.warmup, args.iters)
     ceilings, floors = limits_of(runners, mm, budget)
+    iters = budget.fitting_iters(runners, args.iters)
     load_start = os.getloadavg()[0]
-    results = measure(runners, mm, ceilings, args.iters, args.repeats, budget)
+    results = measure(runners, mm, ceilings, iters, args.repeats, budget)
     splits = time_splits(runners, budget)
     summaries = [summarise(r.label, precision_label(r.dtype, device), results[r.label],
                            r.batch, flops, r.first_step_s) for r in runners]
     for r in runners:
         r.close()
     print(f"{args.clock} clock; medians over {summaries[0].rounds} interleaved rounds of "
-          f"{args.iters} bare and {args.iters} full steps per setting; 1-min load average "
+          f"{iters} bare and {iters} full steps per setting; 1-min load average "
           f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print_limits(runners, mm, ceilings, floors, device, imports_s)
     limits = {k: Limits(ceilings[k].split(), floors[k].seconds(), floors[k].optimizer_seconds())
               for k in ceilings if k in floors}
-    report(args, summaries, splits, limits)
+    report(args, summaries, splits, limits, device)
     budget.seconds += ddp_s
     if ddp_s and budget.left() > 30:
         ddp_row(args, budget, summaries[0])
@@ -354,8 +389,10 @@ def describe_ceiling(c: ShapeTrueCeiling | None) -> str:
 
 
 def report(args: argparse.Namespace, summaries: list[Summary], splits: dict[str, Split],
-           limits: dict[str, Limits]) -> None:
-    if args.table:
+           limits: dict[str, Limits], device: torch.device) -> None:
+    if args.amp_modes:
+        print_precisions(args.amp_modes, args.config, summaries, device)
+    elif args.table:
         print_table(summaries)
     else:
         print_report(summaries[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +38,17 @@ class Budget:
         blocks, the loader's untimed steps, its two ceilings (~1.5 steps) and 0.3 s of n^3
         matmuls; from each setting's warm-up step time."""
         return sum((2 * iters + r.prefetched + 1.5) * r.step_s + 0.3 for r in runners)
+
+    def fitting_iters(self, runners: list[Any], iters: int) -> int:
+        """At most `iters` timed steps per block; fewer (at least 1) where one round of the
+        settings' steps would not fit the time left (an emulated precision's slow steps)."""
+        fit = iters
+        while fit > 1 and self.reserve(runners, fit) > self.left():
+            fit -= 1
+        if fit < iters:
+            print(f"  {fit} timed step(s) per block instead of --iters {iters}: a round of "
+                  f"{iters} would overrun --budget_s", file=sys.stderr, flush=True)
+        return fit
 
     @staticmethod
     def split_cost(runners: list[Any]) -> float:

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import clock
+from utils.hardware import cpu_precision
 
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -42,10 +43,13 @@ def sync(device: torch.device) -> None:
 
 
 def precision_label(dtype: torch.dtype, device: torch.device) -> str:
-    """fp32 matmuls on a GPU with TF32 enabled run in TF32: name it."""
+    """fp32 matmuls on a GPU with TF32 enabled run in TF32, a reduced precision the CPU has
+    no instructions for is emulated: name it."""
     name = DTYPE_NAMES[dtype]
     if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "fp32 (TF32 matmuls)"
+    if dtype != torch.float32 and device.type == "cpu" and not cpu_precision().is_native(name):
+        return f"{name} (emulated)"
     return name
 
 

@@ -7,7 +7,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from bench.time_split import CAUSES, Split
+from utils.precision import precision_line
 
 
 @dataclass
@@ -87,6 +90,21 @@ def print_table(summaries: list[Summary]) -> None:
         print(f"| {s.label} | {s.precision} | {s.full_sps:.1f} | {s.first_step_s:.1f} "
               f"| {s.overhead:.3f} | {s.gflops:.1f} | {_frac(s.frac_mm)} "
               f"| {_frac(s.frac_shape_true)} |")
+
+
+def print_precisions(modes: list[str], config: str, summaries: list[Summary],
+                     device: torch.device) -> None:
+    """Each precision's line (what train.py says at start-up), the table, and each
+    precision's speed against the first one's, measured side by side (README step 5)."""
+    for mode in dict.fromkeys(modes):
+        print(precision_line(mode, device, config=config)[1])
+    print()
+    print_table(summaries)
+    first = summaries[0]
+    for s in summaries[1:]:
+        ratio = s.full_sps / first.full_sps
+        print(f"\n'{s.label}' against '{first.label}': {ratio:.2f}x the samples/s, a step "
+              f"{1 / ratio:.{2 if ratio > 1 else 1}f}x as long")
 
 
 @dataclass

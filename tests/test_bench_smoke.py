@@ -5,6 +5,7 @@ fp32 flash kernel; linears in bf16."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from helpers import REPO, TINY_IMG_SIZE, child_env
 from data.synthetic import generate
 from networks.kernels import MATH_PATH_MAX_SCORES, attention, math_attention
 from networks.vit import VisionTransformer
+from utils.hardware import CLASS_CAPS
 
 # bf16 keeps 8 significant bits (relative rounding error up to 2^-9 ~ 0.2%); the tiny ViT's
 # bf16 output is ~0.4% (relative L2) away from fp32, as is the cpu_short model's. 2% leaves
@@ -83,6 +85,27 @@ def test_bench_step_table_on_a_cpu_without_native_bf16_stays_in_fp32(bench_data:
     assert not any("| bf16 |" in r for r in rows)
     assert "n^3 matmul ceiling: fp32 at" in proc.stdout and "bf16 at" not in proc.stdout
     assert "(--budget_s 45)" in proc.stdout
+
+
+@pytest.mark.e2e
+def test_bench_step_amp_modes_times_fp32_and_emulated_bf16_side_by_side(bench_data: Path
+                                                                       ) -> None:
+    """README step 5 on an AVX2 CPU, for real: under the avx2 class's caps bf16 is emulated;
+    each precision's line (the warning says what to run instead), a row each, the ratio."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("not an x86 CPU with AVX2")
+    proc = run_bench("bench.bench_step", ["--amp_modes", "none", "bf16", "--repeats", "2",
+                                          "--budget_s", "30"],
+                     bench_data, env=CLASS_CAPS["avx2"])
+    out = proc.stdout
+    assert "(AVX2, bf16 emulated; caps ATEN_CPU_CAPABILITY=avx2" in out, out[-4000:]
+    assert "Precision: fp32, no autocast (amp_mode none)" in out
+    assert "Precision: bf16 autocast, but amp_mode bf16 is emulated on this CPU" in out
+    assert "--amp_modes none bf16; full speed here: --amp_mode auto (trains in fp32)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| amp_mode")]
+    assert rows[0].startswith("| amp_mode none | fp32 |"), rows
+    assert rows[1].startswith("| amp_mode bf16 | bf16 (emulated) |"), rows
+    assert re.search(r"'amp_mode bf16' against 'amp_mode none': [\d.]+x the samples/s", out)
 
 
 @pytest.mark.e2e

@@ -1,31 +1,39 @@
 """Precision chosen by the hardware: which reduced precisions a CPU runs natively (from
-PyTorch's CPU feature flags, or injected with CPU_NATIVE_PRECISION), what `amp_mode: auto`
+PyTorch's CPU feature flags and the ISA caps of the environment, Arm's bf16 feature, or
+injected with CPU_NATIVE_PRECISION), the CPU class a run reports, what `amp_mode: auto`
 resolves to, and the one-line warning when an explicit bf16 is only emulated.
 
-The AVX2-only CPU (an AMD EPYC where a bf16 matmul ran at 0.9 GFLOP/s against 110 in fp32)
-is not at hand: its code path runs here with its capabilities injected."""
+Other CPU classes run here two ways: their feature flags injected (AVX2-only, AVX-512
+without bf16, Sapphire Rapids, Arm), or, for real, under the caps that make this CPU compute
+in that class's instruction set (`utils.hardware.CLASS_CAPS`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import CONFIG_FILE
+from helpers import CONFIG_FILE, REPO
 
 from utils.config import load_yaml, read_config
 from utils.errors import ConfigError
 from utils.hardware import (
+    CLASS_CAPS,
     ENV_OVERRIDE,
+    CpuClass,
     CpuPrecision,
     cpu_features,
     cpu_precision,
     detect_native,
     measure_slowdown,
+    onednn_cap,
     parse_override,
 )
-from utils.precision import auto_amp_mode, choose_precision, warn_emulated
+from utils.precision import auto_amp_mode, choose_precision, warn_once
 
 CPU = torch.device("cpu")
 FLAGS = ("avx2", "avx512_f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
@@ -69,6 +77,77 @@ def test_the_environment_variable_replaces_detection(value, native):
 def test_a_bad_environment_value_is_a_one_line_config_error(value):
     with pytest.raises(ConfigError, match=f"{ENV_OVERRIDE}=.*expected 'none' or"):
         parse_override(value)
+
+
+@pytest.mark.parametrize("environ, level", [
+    ({}, None), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "AVX2"),
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core_amx"}, "AVX10_1_512_AMX"),  # an alias, any case
+    ({"DNNL_MAX_CPU_ISA": "AVX512_CORE"}, "AVX512_CORE"),  # oneDNN's older name
+    ({"ONEDNN_MAX_CPU_ISA": "ALL"}, None), ({"ONEDNN_MAX_CPU_ISA": "AVX9000"}, None),
+])
+def test_the_onednn_isa_cap_is_read_as_onednn_reads_it(environ, level):
+    assert onednn_cap(environ)[0] == level
+
+
+@pytest.mark.parametrize("features, cap, native, evidence", [
+    (AVX512_BF16, "AVX2", set(), "avx512_bf16 above ONEDNN_MAX_CPU_ISA=AVX2"),
+    (AVX512_BF16, "AVX512_CORE", set(), "avx512_bf16 above ONEDNN_MAX_CPU_ISA=AVX512_CORE"),
+    (AVX512_BF16, "AVX512_CORE_BF16", {"bf16"}, "avx512_bf16"),
+    (SAPPHIRE_RAPIDS, "AVX512_CORE_BF16", {"bf16"},
+     "avx512_bf16; amx_bf16, avx512_fp16 above ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"),
+    (SAPPHIRE_RAPIDS, "AVX10_1_512_AMX", {"bf16", "fp16"}, "avx512_bf16, amx_bf16, avx512_fp16"),
+])
+def test_an_isa_cap_below_an_instruction_makes_its_precision_emulated(features, cap, native,
+                                                                      evidence):
+    """Native only if the hardware has it AND the cap lets oneDNN use it."""
+    found = detect_native(features, "x86_64", cap, f"ONEDNN_MAX_CPU_ISA={cap}")
+    assert (found.native, found.evidence) == (native, evidence)
+
+
+@pytest.mark.parametrize("arm, onednn, native, evidence", [
+    (frozenset({"fp", "asimd", "bf16", "i8mm"}), frozenset({"bf16"}), {"bf16"},
+     "bf16 in the aarch64 CPU's features"),
+    (frozenset({"fp", "asimd"}), frozenset({"bf16"}), set(), "no bf16 among"),
+    (frozenset({"bf16"}), frozenset(), set(), "but this PyTorch's oneDNN does not run it"),
+    (None, frozenset({"bf16"}), {"bf16"}, "oneDNN on aarch64"),  # features not readable
+])
+def test_arm_bf16_is_native_where_the_core_has_it_and_onednn_runs_it(arm, onednn, native,
+                                                                     evidence):
+    found = detect_native({}, "aarch64", arm_features=arm, onednn=onednn)
+    assert found.native == native and evidence in found.evidence, found
+
+
+@pytest.mark.parametrize("machine, isa, native, amx, name, summary", [
+    ("x86_64", "AVX2", set(), False, "avx2", "AVX2, bf16 emulated"),
+    ("x86_64", "AVX512", set(), False, "avx512", "AVX512, bf16 emulated"),
+    ("x86_64", "AVX512", {"bf16"}, False, "avx512_bf16", "AVX512, native bf16"),
+    ("x86_64", "AVX512", {"bf16", "fp16"}, True, "amx", "AVX512 + AMX, native bf16"),
+    ("aarch64", "DEFAULT", set(), False, "arm", "aarch64 DEFAULT, bf16 emulated"),
+    ("aarch64", "SVE256", {"bf16"}, False, "arm_sve256_bf16", "aarch64 SVE256, native bf16"),
+])
+def test_the_class_names_the_isa_and_whether_bf16_is_native(machine, isa, native, amx, name,
+                                                            summary):
+    cls = CpuClass(machine, isa, CpuPrecision(frozenset(native), "flags"), amx)
+    assert (cls.name, cls.summary()) == (name, summary)
+    assert cls.describe() == f"CPU class {name}: {summary} (flags)"
+    capped = CpuClass(machine, isa, CpuPrecision(frozenset(native), "flags"), amx, "X=1")
+    assert capped.describe().endswith("; caps X=1: that class's instruction set, not its "
+                                      "clock or cores")
+
+
+def test_the_caps_of_the_avx2_class_make_torch_compute_as_an_avx2_cpu():
+    """For real, in a new process (the caps act when torch loads): ISA, class and the
+    auto choice all follow the cap; this CPU's own flags still show AVX-512 if it has it."""
+    if not cpu_features().get("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    code = ("import torch; from utils.hardware import cpu_class; "
+            "from utils.precision import auto_amp_mode; c = cpu_class(); "
+            "print(torch.backends.cpu.get_cpu_capability(), c.name, "
+            "auto_amp_mode(torch.device('cpu')), torch.ops.mkldnn._is_mkldnn_bf16_supported())")
+    env = {k: v for k, v in os.environ.items() if k != ENV_OVERRIDE} | CLASS_CAPS["avx2"]
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert out == ["AVX2", "avx2", "none", "False"], out
 
 
 @pytest.mark.parametrize("native, expected", [
@@ -116,7 +195,7 @@ def test_choosing_auto_gives_the_hardwares_choice_and_logs_why(caplog):
 
 
 def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(caplog):
-    warn_emulated.cache_clear()
+    warn_once.cache_clear()
     cpu = CpuPrecision(frozenset(), f"{ENV_OVERRIDE}=none")
     with caplog.at_level(logging.INFO, logger="train"):
         for _ in range(2):  # a second choice (e.g. a second build) does not repeat it
@@ -125,7 +204,10 @@ def test_explicit_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_slowdown(ca
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert re.search(r"amp_mode bf16 is emulated on this CPU \(.*CPU_NATIVE_PRECISION=none\): "
                      r"a 256\^3 matmul measured [\d.]+x the time of fp32 \([\d.]+ vs [\d.]+ "
-                     r"GFLOP/s\); amp_mode auto picks none here", lines[0]), lines[0]
+                     r"GFLOP/s\)\. ", lines[0]), lines[0]
+    # what to run instead: the side-by-side measurement, and the mode that trains at speed
+    assert "python -m bench.bench_step --config <config> --amp_modes none bf16" in lines[0]
+    assert lines[0].endswith("full speed here: --amp_mode auto (trains in fp32)"), lines[0]
 
 
 def test_native_or_fp32_choices_do_not_warn(caplog):
@@ -146,7 +228,7 @@ def test_native_or_fp32_choices_do_not_warn(caplog):
     ("bf16", set(), "Precision: bf16 autocast, but amp_mode bf16 is emulated on this CPU"),
 ])
 def test_every_choice_says_the_precision_in_one_line(caplog, mode, native, line):
-    warn_emulated.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="train"):
         choose_precision(mode, CPU, CpuPrecision(frozenset(native), "flags"))
     lines = [r.getMessage() for r in caplog.records]
@@ -180,7 +262,11 @@ def test_amp_mode_auto_follows_the_injected_cpu(run_train, native, mode):
     run = run_train("train.py", [*TINY, "--amp_mode=auto"], env_extra={ENV_OVERRIDE: native})
     assert run.returncode == 0, run.output[-3000:]
     assert f"amp_mode auto -> {mode}:" in run.stdout
-    assert "emulated" not in run.output
+    assert "is emulated on this CPU" not in run.output  # no warning: auto never emulates
+    # the start-up line names the class the run computes in
+    said = "native bf16" if native == "bf16" else "bf16 emulated"
+    assert re.search(rf"training on CPU with \d+ threads; CPU class \w+: \w+, {said} "
+                     rf"\({ENV_OVERRIDE}={native}\)", run.stdout), run.stdout[:3000]
 
 
 @pytest.mark.e2e

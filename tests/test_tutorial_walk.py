@@ -13,6 +13,7 @@ from helpers import REPO
 
 from tools import tutorial_walk
 from tools.readme_commands import read_commands, tutorial_commands
+from utils.hardware import CAP_VARS
 
 README = (REPO / "README.md").read_text()
 LINES = README.splitlines()
@@ -105,9 +106,63 @@ def test_the_time_a_command_states_is_read_from_its_comment(comment, seconds):
     assert c.stated_seconds == seconds
 
 
-def test_the_report_names_the_cpu_its_isa_and_the_torch_build():
+def test_the_report_names_the_cpu_its_class_and_the_torch_build():
     import torch
 
-    line = tutorial_walk.machine()
-    assert torch.__version__ in line and "native reduced precision:" in line, line
+    name, line = tutorial_walk.machine()
+    assert torch.__version__ in line and f"CPU class {name}: " in line, line
     assert torch.backends.cpu.get_cpu_capability() in line, line
+    assert ("native bf16" in line) != ("bf16 emulated" in line), line
+
+
+def test_a_class_walk_runs_every_command_under_that_class_caps(tmp_path, monkeypatch):
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE")  # a cap of the caller's: replaced
+    env = tutorial_walk.environment(tmp_path, "avx2")
+    assert {k: env.get(k) for k in CAP_VARS} == {"ATEN_CPU_CAPABILITY": "avx2",
+                                                 "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                                 "DNNL_MAX_CPU_ISA": None}
+    readme = ("## Quickstart\n```bash\necho $ATEN_CPU_CAPABILITY $ONEDNN_MAX_CPU_ISA > caps.txt\n"
+              "```\n")
+    results = tutorial_walk.walk(tmp_path, read_commands(readme), timeout=30, cpu_class="avx2")
+    assert results[0].status == "0"
+    assert (tmp_path / "caps.txt").read_text() == "avx2 AVX2\n"
+
+
+def test_a_class_this_cpu_cannot_reach_is_refused_in_one_line(tmp_path, capsys):
+    """A cap only takes instructions away: asking for a class above this CPU's ends the walk
+    before it copies anything, saying which class the caps gave instead."""
+    for name in ("amx", "avx512_bf16", "avx512"):
+        if tutorial_walk.machine(tutorial_walk.environment(REPO, name))[0] != name:
+            break
+    else:
+        pytest.skip("this CPU reaches every class")
+    workdir = tmp_path / "walk"
+    assert tutorial_walk.main(["--cpu_class", name, "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --cpu_class {name}: under its caps this CPU computes as "
+                          "class ") and err.count("\n") == 1, err
+    assert not workdir.exists()
+
+
+def test_the_walk_report_is_a_docs_section_headed_by_its_class():
+    commands = read_commands("## Quickstart\n```bash\nmake train   # ~2 min\n```\n")
+    text = tutorial_walk.report(("avx2", "AMD EPYC, 2 CPUs; CPU class avx2: ..."),
+                                [tutorial_walk.Result(commands[0], "0", 100.0, 190.0)], 101.0,
+                                ("2.0", "2.1"))
+    assert text.startswith("### CPU class avx2\n\nAMD EPYC, 2 CPUs; CPU class avx2: ...\n\n"
+                           "| step | command | exit | wall | CPU | README says |"), text
+    assert "1 commands run, 0 skipped, 0 failed" in text and "(3.2 min of CPU time)" in text
+
+
+def test_no_cpu_command_of_the_tutorial_trains_in_a_precision_it_may_emulate():
+    """Step 5 stays short on every CPU: its CPU command times bf16 against fp32 side by
+    side within a budget, and no CPU training run asks for bf16 or fp16 outright (on a CPU
+    that emulates it, 64 iterations took 13 min); `auto` is fp32 there."""
+    commands = [c for c in tutorial_commands(REPO) if not c.skip]
+    step5 = [c.text for c in commands if c.step == "5"]
+    assert len(step5) == 1 and "bench.bench_step" in step5[0], step5
+    assert "--amp_modes none bf16" in step5[0]
+    budget = re.search(r"--budget_s (\d+)", step5[0])
+    assert budget and int(budget.group(1)) <= 120, step5
+    for c in commands:
+        assert not re.search(r"--amp_mode[= ](bf16|fp16)\b", c.text), c.text

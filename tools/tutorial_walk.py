@@ -8,13 +8,20 @@ time (and the time the README states), and whether what the README says to look 
     python -m tools.tutorial_walk --steps 8 12      # some steps only (the later ones may
                                                     # need the runs of earlier ones)
     python -m tools.tutorial_walk --dry_run         # the plan: what runs, what is skipped
+    make tutorial CPU_CLASS=avx2                    # as a CPU of that class computes
+    python -m tools.tutorial_walk --cpu_class avx2  # (the same)
 
 The copy holds the tracked files of this checkout (uncommitted edits included) and links to
 its `.venv` and `datasets`, so no environment or data is rebuilt (a fresh clone's `make
 train` would build both first). Commands that need a cluster or a GPU are listed as skipped,
 with the reason. `tensorboard` is started, asked for its page, and stopped. Each command's
-output is kept in <copy>/tutorial_walk/NN.log; the table also goes to
-<copy>/tutorial_walk/table.md.
+output is kept in <copy>/tutorial_walk/NN.log; the table (a markdown section headed by the
+CPU class, ready for docs/tutorial_walk.md) also goes to <copy>/tutorial_walk/table.md.
+
+`--cpu_class avx2|avx512|avx512_bf16|amx` runs every command under the caps
+(`utils.hardware.CLASS_CAPS`) that make this CPU compute in that class's instruction set:
+what is emulated and the bf16/fp32 ratio, not that class's clock, cores or fp32 speed. A cap
+can only take instructions away: a class above this CPU's is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.readme_commands import Command, tutorial_commands
+from utils.hardware import CAP_VARS, CLASS_CAPS
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 1800.0
@@ -133,8 +141,10 @@ LOOKS: list[tuple[Callable[[str], bool], Check]] = [
           "First step done ...; torch.compile ... s")),
     (lambda t: "bench.bench_loader" in t,
      line(r"pytorch\s+2\s+\d+\s+[\d.]+\s+[\d.]+", "loader samples/s, 2 workers")),
-    (lambda t: "bench.bench_step" in t,
+    (lambda t: "bench.bench_step" in t and "--table" in t,
      line(r"\| setting \| precision \| samples/s", "the ladder table")),
+    (lambda t: "bench.bench_step" in t and "--amp_modes" in t,
+     line(r"against 'amp_mode none': [\d.]+x the samples/s", "bf16 against fp32, side by side")),
     (lambda t: re.search(r"(torchrun|mpirun) .*\btrain\.py", t) is not None,
      line(r"world size 2 \(\w+ launcher\), global batch 32, local batch 16",
           "global and local batch")),
@@ -189,26 +199,30 @@ def make_copy(dest: Path) -> None:
 AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def environment(copy: Path) -> dict[str, str]:
+def environment(copy: Path, cpu_class: str | None = None) -> dict[str, str]:
     """A shell with the venv activated (what `source .venv/bin/activate` gives), none of
     the variables that would move the README's paths (LOG_DIR, DATA_DIR), and, as root,
-    the two variables the README says mpirun needs then."""
+    the two variables the README says mpirun needs then; with `cpu_class`, that class's
+    caps in place of any the caller set."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOG_DIR", "DATA_DIR", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")}
     env["VIRTUAL_ENV"] = str(copy / ".venv")
     env["PATH"] = f"{copy / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     if os.geteuid() == 0:
         env.update(AS_ROOT)
+    if cpu_class:
+        env = {k: v for k, v in env.items() if k not in CAP_VARS} | CLASS_CAPS[cpu_class]
     return env
 
 
-def run(command: str, copy: Path, log: Path, timeout: float) -> tuple[str, float]:
+def run(command: str, copy: Path, log: Path, timeout: float, env: dict[str, str]
+        ) -> tuple[str, float]:
     """Run `command` in bash in the copy; (status, seconds). Its output goes to `log`."""
     start = time.monotonic()
     with open(log, "w") as out:
         out.write(f"$ {command}\n")
         out.flush()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=environment(copy),
+        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
@@ -231,13 +245,14 @@ def stop(proc: subprocess.Popen) -> None:
             return
 
 
-def serve(command: str, copy: Path, log: Path, wait: float = 120.0) -> tuple[str, float, str]:
+def serve(command: str, copy: Path, log: Path, env: dict[str, str], wait: float = 120.0
+          ) -> tuple[str, float, str]:
     """Start a server command (tensorboard), ask for its page, stop it."""
     start = time.monotonic()
     with open(log, "w") as out:
         out.write(f"$ {command}\n")
         out.flush()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=environment(copy),
+        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = None
     while url is None and time.monotonic() - start < wait and proc.poll() is None:
@@ -257,7 +272,10 @@ def serve(command: str, copy: Path, log: Path, wait: float = 120.0) -> tuple[str
     return status, time.monotonic() - start, answer or "no URL printed"
 
 
-def walk(copy: Path, commands: list[Command], timeout: float) -> list[Result]:
+def walk(copy: Path, commands: list[Command], timeout: float,
+         cpu_class: str | None = None) -> list[Result]:
+    """Run `commands` in the copy, in order (under `cpu_class`'s caps, if given)."""
+    env = environment(copy, cpu_class)
     results: list[Result] = []
     logs = copy / "tutorial_walk"
     logs.mkdir(exist_ok=True)
@@ -276,10 +294,10 @@ def walk(copy: Path, commands: list[Command], timeout: float) -> list[Result]:
         cpu_before = children_cpu()
         print(f"[{time.strftime('%H:%M:%S')}] step {c.step}: {c.text}", flush=True)
         if c.text.startswith("tensorboard"):
-            status, seconds, looked = serve(c.text, copy, log)
+            status, seconds, looked = serve(c.text, copy, log, env)
             result = Result(c, status, seconds, looked=looked, ok=status == "served")
         else:
-            status, seconds = run(c.text, copy, log, timeout)
+            status, seconds = run(c.text, copy, log, timeout, env)
             out = log.read_text(errors="replace")
             verdicts = [check(out, copy) for check in looks(c)]
             looked = "; ".join(text for _, text in verdicts)
@@ -300,14 +318,18 @@ def children_cpu() -> float:
 
 
 # ----------------------------------------------------------------- the report
-def machine() -> str:
-    """The CPU (model, vector ISA, cores), the torch build, the native reduced precisions."""
-    import torch
+CLASS_PROBE = ("import os, torch; from utils.hardware import cpu_class, cpu_model; "
+               "c = cpu_class(); print(c.name); print(f'{cpu_model()}, {os.cpu_count()} CPUs; "
+               "torch {torch.__version__}; {c.describe()}')")
 
-    from utils.hardware import cpu_name, cpu_precision
 
-    native = ", ".join(sorted(cpu_precision().native)) or "none"
-    return f"{cpu_name()}; torch {torch.__version__}; native reduced precision: {native}"
+def machine(env: dict[str, str] | None = None, cwd: Path = REPO) -> tuple[str, str]:
+    """(the CPU class the commands compute in, a line naming the CPU, that class and why,
+    the caps, the torch build), asked of a Python started in `env`: caps act when torch
+    loads, so only a new process shows them."""
+    out = subprocess.run([sys.executable, "-c", CLASS_PROBE], cwd=cwd, env=env, check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    return out[0], out[1]
 
 
 def duration(seconds: float) -> str:
@@ -334,9 +356,18 @@ def table(results: list[Result]) -> str:
 def summary(results: list[Result], seconds: float, loads: tuple[str, str]) -> str:
     ran = [r for r in results if r.status != "skipped"]
     failed = [r for r in ran if not r.ok]
+    cpu = sum(r.cpu_seconds for r in ran)
     return (f"{len(ran)} commands run, {len(results) - len(ran)} skipped, {len(failed)} "
-            f"failed or missing what to look at; {duration(seconds)} in all; load average "
-            f"{loads[0]} at the start, {loads[1]} at the end")
+            f"failed or missing what to look at; {duration(seconds)} in all "
+            f"({duration(cpu)} of CPU time); load average {loads[0]} at the start, "
+            f"{loads[1]} at the end")
+
+
+def report(cpu: tuple[str, str], results: list[Result], seconds: float,
+           loads: tuple[str, str]) -> str:
+    """The walk as a section of docs/tutorial_walk.md: headed by the CPU class."""
+    return (f"### CPU class {cpu[0]}\n\n{cpu[1]}\n\n{table(results)}\n\n"
+            f"{summary(results, seconds, loads)}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only these steps (quickstart, 1, ..., 12)")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per command")
     p.add_argument("--dry_run", action="store_true", help="print the plan, run nothing")
+    p.add_argument("--cpu_class", choices=sorted(CLASS_CAPS), default=None,
+                   help="run every command as a CPU of this class computes (its instruction "
+                   "set, not its speed: utils.hardware.CLASS_CAPS); default: this CPU as it is")
     args = p.parse_args(argv)
     commands = tutorial_commands(REPO)
     if args.steps:
@@ -357,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         for c in commands:
             print(f"{c.step:>10}  {'skip: ' + c.skip if c.skip else 'run'}: {c.text}")
         return 0
+    cpu = machine(environment(REPO, args.cpu_class))
+    if args.cpu_class and cpu[0] != args.cpu_class:
+        print(f"error: --cpu_class {args.cpu_class}: under its caps this CPU computes as class "
+              f"{cpu[0]} ({cpu[1]}); a cap only takes instructions away, so a class this CPU "
+              "lacks cannot be reached", file=sys.stderr)
+        return 2
     copy = Path(args.workdir or tempfile.mkdtemp(prefix="tutorial-walk-")).resolve()
     copy.mkdir(parents=True, exist_ok=True)
     if any(copy.iterdir()):
@@ -364,16 +404,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     make_copy(copy)
-    print(f"A fresh copy in {copy}; {machine()}", flush=True)
+    print(f"A fresh copy in {copy}; CPU class {cpu[0]}: {cpu[1]}", flush=True)
     load_start = open("/proc/loadavg").read().split()[0]
     start = time.monotonic()
-    results = walk(copy, commands, args.timeout)
+    results = walk(copy, commands, args.timeout, args.cpu_class)
     seconds = time.monotonic() - start
     load_end = open("/proc/loadavg").read().split()[0]
-    report = (f"{machine()}\n\n{table(results)}\n\n"
-              f"{summary(results, seconds, (load_start, load_end))}\n")
-    (copy / "tutorial_walk" / "table.md").write_text(report)
-    print("\n" + report)
+    text = report(cpu, results, seconds, (load_start, load_end))
+    (copy / "tutorial_walk" / "table.md").write_text(text)
+    print("\n" + text)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -21,6 +21,7 @@ from training.run_dirs import choose_run, compose, create_run, run_label
 from utils.allocator import keep_freed_memory
 from utils.config_schema import Config
 from utils.errors import ConfigError
+from utils.hardware import cpu_class
 from utils.openmp import describe as describe_wait_policy
 from utils.precision import Precision, choose_precision
 
@@ -100,7 +101,8 @@ def seed_everything(seed: int) -> None:
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"Using GPU {torch.cuda.get_device_name(device)} (cuda:{device.index})"
-    return f"CUDA not available: training on CPU with {torch.get_num_threads()} threads"
+    return (f"CUDA not available: training on CPU with {torch.get_num_threads()} threads; "
+            f"{cpu_class().describe()}")
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -127,8 +129,8 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
     seed_everything(cfg.seed)
     if not announce:
         run_dir, why = choose_run_dir(cfg, layout.device, log_file=False)
-        return RunContext(choose_precision(cfg.amp_mode, layout.device), local, global_,
-                          run_dir, why)
+        precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
+        return RunContext(precision, local, global_, run_dir, why)
     rank, world = comm.get_world_rank(), comm.get_world_size()
     config_logger(rank)
     run_dir, why = choose_run_dir(cfg, layout.device)
@@ -140,5 +142,5 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
              f"global batch {global_}, local batch {local}")
     log_config(cfg)
     log.info(layout.describe())
-    precision = choose_precision(cfg.amp_mode, layout.device)
+    precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
     return RunContext(precision, local, global_, run_dir, why)

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.hardware import CpuPrecision, cpu_name, cpu_precision, measure_slowdown
+from utils.hardware import (
+    CpuPrecision,
+    MatmulRates,
+    cpu_name,
+    cpu_precision,
+    measure_slowdown,
+)
 
 log = logging.getLogger("train")
 
@@ -54,26 +60,39 @@ class Precision:
         return torch.amp.GradScaler(self.device_type, enabled=self.mode == "fp16")
 
 
-def choose_precision(amp_mode: str, device: torch.device,
-                     cpu: CpuPrecision | None = None) -> Precision:
-    """The config's `amp_mode` on `device`, said in one log line (`Precision: ...`): 'auto'
-    becomes this hardware's choice, with why; a precision a CPU only emulates is said as a
-    warning (once per process and mode) with the slowdown a 1-second matmul probe measured."""
-    if device.type != "cpu":
-        mode = auto_amp_mode(device) if amp_mode == "auto" else amp_mode
-        chosen = f"amp_mode auto -> {mode}" if amp_mode == "auto" else f"amp_mode {mode}"
-        log.info(f"Precision: {describe(mode)} on {device.type} ({chosen})")
-        return Precision(mode, device.type)
-    cpu = cpu or cpu_precision()
+def choose_precision(amp_mode: str, device: torch.device, cpu: CpuPrecision | None = None,
+                     config: str | None = None) -> Precision:
+    """The config's `amp_mode` on `device`, said in one log line (`Precision: ...`, see
+    `precision_line`), before any work; a precision the CPU only emulates is a warning, once
+    per process and mode."""
+    precision, line, emulated = precision_line(amp_mode, device, cpu, config)
+    if emulated:
+        warn_once(line)
+    else:
+        log.info(line)
+    return precision
+
+
+def precision_line(amp_mode: str, device: torch.device, cpu: CpuPrecision | None = None,
+                   config: str | None = None) -> tuple[Precision, str, bool]:
+    """(the precision, its line, whether the CPU emulates it). 'auto' becomes this
+    hardware's choice, with why. An emulated precision's line says what it costs here (a
+    matmul probe of about a second, once per process: `emulated_cost`) and what to run
+    instead (`config`: the config to name in the suggested command)."""
+    cpu = None if device.type != "cpu" else cpu or cpu_precision()
     mode = auto_amp_mode(device, cpu) if amp_mode == "auto" else amp_mode
+    precision = Precision(mode, device.type)
+    chosen = f"amp_mode auto -> {mode}" if amp_mode == "auto" else f"amp_mode {mode}"
+    if cpu is None:
+        return precision, f"Precision: {describe(mode)} on {device.type} ({chosen})", False
     if mode != "none" and not cpu.is_native(mode):
-        warn_emulated(mode, cpu)
-        return Precision(mode, device.type)
+        return precision, emulated_line(mode, cpu, config), True
     why = (f"native on this CPU ({cpu.evidence})" if mode != "none" else
            f"no native bf16 on this CPU ({cpu.evidence})" if amp_mode == "auto" else "")
-    chosen = f"amp_mode auto -> {mode}" if amp_mode == "auto" else f"amp_mode {mode}"
-    log.info(f"Precision: {describe(mode)} ({chosen}{': ' + why if why else ''})")
-    return Precision(mode, device.type)
+    return precision, f"Precision: {describe(mode)} ({chosen}{': ' + why if why else ''})", False
+
+
+NAMES = {"none": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def describe(mode: str) -> str:
@@ -83,10 +102,24 @@ def describe(mode: str) -> str:
 
 
 @functools.cache
-def warn_emulated(mode: str, cpu: CpuPrecision) -> None:
-    rates = measure_slowdown(mode)
-    log.warning(f"Precision: {describe(mode)}, but amp_mode {mode} is emulated on this CPU "
-                f"({cpu_name()}; {cpu.evidence}): a {rates.n}^3 matmul measured "
-                f"{rates.slowdown:.1f}x the time of fp32 ({rates.reduced:.1f} vs "
-                f"{rates.fp32:.1f} GFLOP/s); amp_mode auto picks "
-                f"{auto_amp_mode(torch.device('cpu'), cpu)} here")
+def emulated_cost(mode: str) -> MatmulRates:
+    """fp32 and `mode` matmul rates on this CPU, measured once per process."""
+    return measure_slowdown(mode)
+
+
+def emulated_line(mode: str, cpu: CpuPrecision, config: str | None = None) -> str:
+    """The warning for a precision this CPU emulates: what its matmuls cost here (a probe
+    of about a second), what measures a whole step, and what trains at full speed."""
+    rates = emulated_cost(mode)
+    auto = NAMES[auto_amp_mode(torch.device("cpu"), cpu)]
+    return (f"Precision: {describe(mode)}, but amp_mode {mode} is emulated on this CPU "
+            f"({cpu_name()}; {cpu.evidence}): a {rates.n}^3 matmul measured "
+            f"{rates.slowdown:.1f}x the time of fp32 ({rates.reduced:.1f} vs "
+            f"{rates.fp32:.1f} GFLOP/s). A whole step in {mode} against fp32, side by side, "
+            f"in about a minute: python -m bench.bench_step --config {config or '<config>'} "
+            f"--amp_modes none {mode}; full speed here: --amp_mode auto (trains in {auto})")
+
+
+@functools.cache
+def warn_once(line: str) -> None:
+    log.warning(line)
