@@ -11,18 +11,22 @@ Validation runs both eagerly (`utils.model_wrappers.uncompiled`): compiling thei
 variants would cost a second compile for little gain (docs/benchmarks.md, torch.compile).
 
 Where the kernels are kept: Inductor's on-disk caches (the FX graph cache of compiled kernels
-and the AOTAutograd cache of forward/backward graphs; on a GPU the Triton kernels are bundled
-into the former) live in `TORCHINDUCTOR_CACHE_DIR`. PyTorch's default is a directory under
-/tmp, which a cluster node wipes or never shares, so every job would compile from scratch.
-Unless the user or the site preset already chose a directory, a run uses
-`<log root>/torch_compile_cache`: on the shared file system, the same for every rank and
-every later job. Dynamo's Python-bytecode tracing is not cached; that part is paid by every
-job (training/compile_cost.py shows both).
+and the AOTAutograd cache of forward/backward graphs; on a GPU Triton's kernels go into a
+`triton` folder inside it) live in `TORCHINDUCTOR_CACHE_DIR`. PyTorch's default is a directory
+under /tmp, which a cluster node wipes or never shares, so every job would compile from
+scratch. Unless the user or the site preset already chose a directory, a run uses
+`<log root>/torch_compile_cache/<host name>`: one per node, shared by that node's ranks and
+reused by every later job on it. Not one for all nodes: Inductor serialises its writers with
+file locks, which a parallel file system (Lustre) makes slow or unreliable across nodes.
+Dynamo's Python-bytecode tracing is not cached; that part is paid by every job
+(training/compile_cost.py shows both).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 
 import torch
 import torch.nn as nn
@@ -33,13 +37,21 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_SUBDIR = "torch_compile_cache"
 
 
+def node_name() -> str:
+    """This node's host name, as a folder name (the short name: `nid001234`)."""
+    name = socket.gethostname().split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name) or "localhost"
+
+
 def use_compile_cache(expdir: str) -> str:
-    """Point Inductor's caches at `<expdir>/torch_compile_cache` unless TORCHINDUCTOR_CACHE_DIR
-    is set; returns the directory in use. Must run before anything asks Inductor for its
-    cache directory: the first `torch.compile`, and (PyTorch 2.13) constructing DDP. Inductor
-    then sets the variable to its /tmp default, and every later caller keeps that."""
+    """Point Inductor's caches at `<expdir>/torch_compile_cache/<host name>` unless
+    TORCHINDUCTOR_CACHE_DIR is set; returns the directory in use. Must run before anything
+    asks Inductor for its cache directory: the first `torch.compile`, and (PyTorch 2.13)
+    constructing DDP. Inductor then sets the variable to its /tmp default, and every later
+    caller keeps that."""
     if not os.environ.get(CACHE_ENV):
-        os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR))
+        os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR,
+                                                             node_name()))
     return os.environ[CACHE_ENV]
 
 
