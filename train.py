@@ -26,10 +26,10 @@ import time
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport
-from training.memory_plan import first_step_line
+from training.memory_plan import step_memory_line
 from training.run import build_model, build_training
 from training.script_exit import run_main
-from training.setup import peak_memory_gb, start_run
+from training.setup import memory_since_reset, reset_peak_memory, start_run
 from training.step import Step
 from utils.config_schema import Config
 
@@ -62,9 +62,11 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
             steps += 1
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
             startup.after_step(run.log, progress.iters)  # time to first step, compile time
-            if progress.iters == 1:  # the measured peak beside the planner's estimate
-                log.info(first_step_line(cfg, layout, ctx.local_batch_size,
-                                         peak_memory_gb(run.device)))
+            if progress.iters == 1:  # warm now (compiled, Adam's state made): a new peak
+                reset_peak_memory(run.device)
+            elif progress.iters == 2:  # step 2's peak beside the planner's estimate
+                log.info(step_memory_line(cfg, layout, ctx.local_batch_size,
+                                          ctx.precision.mode, memory_since_reset(run.device)))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard
