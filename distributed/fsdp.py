@@ -139,7 +139,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
         yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)  # every FSDP module of it
+    set_reshard_after_forward(model, False)  # every FSDP module of it
     for m in modules:
         m.unshard()
     try:
@@ -148,4 +148,20 @@ def gathered(model: nn.Module) -> Iterator[None]:
         for m in modules:
             m.reshard()
         for block in model.blocks:
-            block.set_reshard_after_forward(model.blocks_reshard_after_forward)
+            set_reshard_after_forward(block, model.blocks_reshard_after_forward)
+
+
+def set_reshard_after_forward(module: nn.Module, value: bool) -> None:
+    """FSDPModule.set_reshard_after_forward on `module` and every FSDP module inside it.
+    PyTorch 2.7 has no such method: there this sets what the method sets in later releases,
+    the mesh each parameter group reshards to after forward (none: stay whole), with the
+    helper that fully_shard itself uses."""
+    if hasattr(module, "set_reshard_after_forward"):
+        module.set_reshard_after_forward(value)
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is not None:
+            group.post_forward_mesh_info = _get_post_forward_mesh_info(value, group.mesh_info)
