@@ -186,7 +186,7 @@ def graphs_row(cfg: Any, device: torch.device, work: Path, left: float,
                     f"({left:.0f} s left)", estimate_s=GRAPHS[1])
     flags = [f"--config={cfg.config}", "--num_iters=8", "--graph_warmup=3",
              f"--amp_mode={cfg.amp_mode}", f"--num_data_workers={cfg.num_data_workers}",
-             f"--data_loader_config={cfg.data_loader_config}", "--limit_nsamples_val=16"]
+             f"--data_loader_config={cfg.data_loader_config}", "--skip_initial_validation"]
     flags += ["--enable_fused"] if cfg.enable_fused else []
     flags += ["--enable_jit"] if cfg.enable_jit else []
     began = time.perf_counter()
