@@ -34,9 +34,14 @@ class Torch:
 
 
 def read_torch() -> Torch | None:
-    """The importable PyTorch, or None."""
+    """The importable PyTorch, or None. Its import warnings (a site PyTorch without numpy
+    says so) stay out of the one line this prints."""
+    import warnings
+
     try:
-        import torch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch
     except ImportError:
         return None
     return Torch(torch.__version__, torch.version.cuda, torch.cuda.device_count())
