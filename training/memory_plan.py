@@ -297,8 +297,9 @@ def _ddp_buckets(cfg: Config, layout: Layout) -> float:
 
 
 def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: str,
-                     measured: dict[str, float]) -> str:
-    """The log line of a warm step's memory: `measured` (training.setup.memory_since_reset:
+                     measured: dict[str, float], step: int) -> str:
+    """The log line of a warm step's memory (`step`, the second this process runs; the
+    peak was reset just before it): `measured` (training.setup.memory_since_reset:
     on a GPU the tensors' and the allocator's peaks, on a CPU the resident set) beside this
     estimate of the tensors' peak, traced in the run's precision `amp_mode`. Only the logging
     rank traces (seconds); an estimate that cannot be traced says why in the line and never
@@ -306,7 +307,7 @@ def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: st
     that keeps the group alive past comm.shutdown() (bench/memory_plan.py traces FSDP on a
     fake world instead)."""
     parts = ", ".join(f"{gb:.2f} GB {what}" for what, gb in measured.items())
-    line = f"Memory of step 2 (peak since a reset after step 1): {parts}"
+    line = f"Memory of step {step} (its own peak, reset once warm): {parts}"
     if comm.get_world_rank() != 0:
         return line
     if layout.fsdp:  # a trace of FSDP2 on the job's own dp group keeps that group alive
