@@ -30,9 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from tools.gpu_check import harness
 from tools.gpu_check.report import Outcome, Skip
+from utils.config_schema import Config
 
 FP32_RTOL = {"cpu": 1e-5, "cuda": 1e-4}
 PARAM_ATOL = 1e-4
@@ -59,8 +61,9 @@ def _compare(name: str, device: torch.device, a: tuple[list[float], dict],
                     "param_atol": PARAM_ATOL, "losses": b[0], **(data or {})})
 
 
-def _run(cfg, device: torch.device, model=None, amp_mode: str | None = None,  # noqa: ANN001
-         seed: int = 1) -> tuple[list[float], dict]:
+def _run(cfg: Config, device: torch.device, model: nn.Module | None = None,
+         amp_mode: str | None = None, seed: int = 1) -> tuple[list[float], dict]:
+    """The losses of STEPS steps of the config's run, and its parameters after them."""
     run = harness.build(cfg, device, model, amp_mode)
     losses = harness.train(run, harness.batches(cfg, device, STEPS, seed))
     return losses, harness.parameters(run.model)

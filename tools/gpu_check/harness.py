@@ -75,9 +75,9 @@ def layout_of(cfg: Config, device: torch.device) -> Layout:
 def build(cfg: Config, device: torch.device, model: nn.Module | None = None,
           amp_mode: str | None = None) -> SimpleNamespace:
     """What `training.step.Step` needs of a run: the config's model as train.py wraps it
-    (or `model`, already wrapped), Adam (fused if the config says), the loss, the
-    precision (`amp_mode`, default the config's: 'auto' as on this device) and its loss
-    scaler."""
+    (or `model`, already wrapped), Adam (fused if the config says), the loss (compiled with
+    `enable_jit`, as training compiles it), the precision (`amp_mode`, default the
+    config's: 'auto' as on this device) and its loss scaler."""
     import networks
     from utils.precision import auto_amp_mode
 
@@ -90,6 +90,7 @@ def build(cfg: Config, device: torch.device, model: nn.Module | None = None,
     mode = auto_amp_mode(device) if mode == "auto" else mode
     precision = Precision(mode, device.type)
     loss = build_loss(cfg.loss, torch.ones(cfg.img_size[0], device=device), None)
+    loss = compiling.compile_loss(loss, cfg, whole_grid=True)  # compiled as training does
     return SimpleNamespace(model=model, optimizer=build_optimizer(cfg, model), layout=layout,
                            prof=_NoRanges(), ctx=SimpleNamespace(precision=precision),
                            loss=loss, scaler=layout.grad_scaler(precision), cfg=cfg)

@@ -77,7 +77,7 @@ def device_used_gib(device: torch.device) -> tuple[float, str]:
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(
                 f"{props.pci_domain_id:08x}:{bus:02x}:{props.pci_device_id:02x}.0")
             return pynvml.nvmlDeviceGetMemoryInfo(handle).used / GIB, "NVML"
-    except Exception:  # noqa: BLE001, S110 - NVML is optional: CUDA's count next
+    except Exception:  # noqa: BLE001 - NVML is optional: CUDA's count next
         pass
     free, total = torch.cuda.mem_get_info(device)
     return (total - free) / GIB, "cudaMemGetInfo"
