@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the ladder's first rows only (then its CUDA-graph row)")
     p.add_argument("--out", type=Path, default=None,
                    help="the report's folder (default $LOG_DIR or logs, /gpu_check/<host>-<time>)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="the data sets, runs and compile cache (default <out>/work; ~3 GB)")
     return p.parse_args(argv)
 
 
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device(args.device)
     out = out_dir(args)
-    work = out / "work"
+    work = args.work or out / "work"
     work.mkdir(parents=True, exist_ok=True)
     log = out / "gpu-check.log"
     logging.basicConfig(filename=log, level=logging.INFO)  # the runs' own log lines
