@@ -18,7 +18,7 @@ if __name__ == "__main__":
     from tools.gpu_check import preflight
 
     device_arg = "cpu" if "--device" in sys.argv and "cpu" in sys.argv else "cuda"
-    if device_arg == "cuda":
+    if device_arg == "cuda" and not {"-h", "--help"} & set(sys.argv):
         line = preflight.problem(preflight.read_torch())
         if line:  # no GPU, no torch, a too-old torch: one line before any import of weight
             print(f"error: {line}", file=sys.stderr)
