@@ -26,10 +26,10 @@ import time
 
 from distributed.layout import Layout
 from training.compile_cost import StartupReport
-from training.memory_plan import first_step_line
+from training.memory_plan import step_memory_line
 from training.run import build_model, build_training
 from training.script_exit import run_main
-from training.setup import peak_memory_gb, start_run
+from training.setup import memory_since_reset, reset_peak_memory, start_run
 from training.step import Step
 from utils.config_schema import Config
 
@@ -50,11 +50,14 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
         run.end_of_epoch()  # step 0: every curve starts from the untrained model
     log.info(f"Starting training loop: {cfg.num_iters} iterations, "
              f"{run.steps_per_epoch} per epoch")
+    measured = progress.iters + 2  # this process's second step: its memory is logged
     for epoch in run.epochs():  # a resumed run continues mid-epoch
         run.model.train()
         run.prof.epoch_start(epoch, run.last_epoch)
         start, steps = time.time(), 0
         for inp, tar in run.batches():
+            if progress.iters + 1 == measured:  # warm now (compiled, Adam's state made)
+                reset_peak_memory(run.device)  # so the peak is this step's own
             with run.prof.range(f"step {progress.iters}"):
                 loss = step(run, inp, tar)
             run.scheduler.step()
@@ -62,9 +65,9 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
             steps += 1
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
             startup.after_step(run.log, progress.iters)  # time to first step, compile time
-            if progress.iters == 1:  # the measured peak beside the planner's estimate
-                log.info(first_step_line(cfg, layout, ctx.local_batch_size,
-                                         peak_memory_gb(run.device)))
+            if progress.iters == measured:  # its peak beside the planner's estimate
+                log.info(step_memory_line(cfg, layout, ctx.local_batch_size, ctx.precision.mode,
+                                          memory_since_reset(run.device), progress.iters))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard

@@ -158,9 +158,14 @@ class GraphedStep(Step):
 
 
 def _snapshot(run: Training) -> dict:
-    """Copies of everything warm-up changes: parameters, optimizer state, loss scale."""
-    return {"model": [t.detach().clone() for t in run.model.state_dict().values()],
-            "optimizer": {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+    """Copies of everything warm-up changes (parameters, optimizer state, loss scale), kept
+    in host memory: on the GPU they would hold another copy of the model and Adam's state
+    through warm-up and capture, where the step's own peak comes on top."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    return {"model": [host(t) for t in run.model.state_dict().values()],
+            "optimizer": {p: {k: host(v) for k, v in s.items() if torch.is_tensor(v)}
                           for p, s in run.optimizer.state.items()},
             "scaler": run.scaler.state_dict()}
 
@@ -173,7 +178,11 @@ def _restore(run: Training, saved: dict) -> None:
     for p, state in run.optimizer.state.items():
         for k, v in state.items():
             if torch.is_tensor(v):  # state created by warm-up restarts from zero (fresh Adam)
-                v.copy_(saved["optimizer"].get(p, {}).get(k, torch.zeros_like(v)))
+                old = saved["optimizer"].get(p, {}).get(k)
+                if old is None:
+                    v.zero_()
+                else:
+                    v.copy_(old)  # from host memory
     if saved["scaler"]:
         run.scaler.load_state_dict(saved["scaler"])  # fills the scale tensor in place
 

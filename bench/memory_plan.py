@@ -10,7 +10,8 @@ batch; DDP, or FSDP when dp > 1; activation checkpointing none or blocks; the co
 precision), one rank's peak memory, from a trace of the training step on fake tensors by
 PyTorch's memory trackers (training/memory_plan.py says how), split into parameters,
 gradients, optimizer state, activations, communication buffers, and on a GPU the stated
-ALLOWANCE for what no tensor shows. Also the peak up to the end of the first forward pass,
+allowance for what no tensor shows (training/memory_plan.py: one place, and how it is
+calibrated). Also the peak up to the end of the first forward pass,
 the figure the tutorial's logs print. Then which layouts fit, and the fastest that fits by
 this rule, in order:
   1. the model-parallel ranks of a replica within one node (--gpus_per_node): tp, cp and
@@ -39,13 +40,6 @@ from pathlib import Path
 from typing import Any, get_args
 
 REPO = Path(__file__).resolve().parent.parent
-
-# What no tensor shows, on a GPU: the CUDA context with cuBLAS/cuDNN's workspaces and NCCL's
-# buffers (outside PyTorch's allocator), and what the card keeps for itself (an A100 40GB
-# shows 39.4 GiB): CONTEXT_GIB; the caching allocator's reserved but unused blocks:
-# FRAGMENTATION of the tensors' peak.
-CONTEXT_GIB = 1.5
-FRAGMENTATION = 0.05
 
 
 @dataclass(frozen=True)
@@ -141,7 +135,7 @@ def plan(cfg: Any, layout: Layout, device_type: str) -> dict[str, Any]:
 
     from distributed import comm
     from distributed.layout import Layout as RankLayout
-    from training.memory_plan import GIB, trace_layout
+    from training.memory_plan import GIB, allowance_gib, trace_layout
     from training.setup import batch_sizes
 
     run_cfg = cfg.replace(**layout.flags())
@@ -150,7 +144,7 @@ def plan(cfg: Any, layout: Layout, device_type: str) -> dict[str, Any]:
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     estimate = trace_layout(run_cfg, rank, local_batch, device_type)
     tensors = estimate.peak / GIB
-    allowance = (CONTEXT_GIB + FRAGMENTATION * tensors) if device_type == "cuda" else 0.0
+    allowance = allowance_gib(tensors) if device_type == "cuda" else 0.0
     return {**asdict(layout), "amp_mode": cfg.amp_mode, "local_batch": local_batch,
             **{f"{part}_gb": nbytes / GIB for part, nbytes in estimate.parts.items()},
             "allowance_gb": allowance, "tensor_peak_gb": tensors,
@@ -228,8 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.gpu_memory_gb:g} GB ({args.gpus_per_node} per node); per rank, GB (GiB)")
     print(table(rows, args.device))
     if args.device == "cuda":
+        from training.memory_plan import ALLOWANCE_SOURCE, CONTEXT_GIB, FRAGMENTATION
+
         print(f"allowance: {CONTEXT_GIB} GB (CUDA context, libraries, NCCL, memory the card "
-              f"keeps) + {FRAGMENTATION:.0%} of the tensors' peak (allocator slack)")
+              f"keeps) + {FRAGMENTATION:.0%} of the tensors' peak (allocator slack); "
+              f"{ALLOWANCE_SOURCE}")
     best = next((r for r in rows if r["fastest"]), None)
     if best is None:
         print(f"nothing fits {args.gpu_memory_gb:g} GB: more GPUs (a smaller local batch, "

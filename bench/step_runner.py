@@ -17,6 +17,7 @@ from bench.ceilings import ShapeTrueCeiling, sync
 from bench.floor import ElementwiseFloor
 from bench.time_split import LOADER_RANGE, LOSS_RANGE, Split, profile_split
 from distributed.layout import Layout
+from training import compiling
 from training.run import build_model, build_training
 from training.setup import start_run
 from training.step import Step
@@ -126,8 +127,8 @@ class StepRunner:
         model = unwrap(self.model)  # torch.compile's graphs hide the calls from the recorder
         loss_fn = uncompiled(self.run.loss)
 
-        def forward_backward() -> None:
-            with self.ctx.precision.autocast():
+        def forward_backward() -> None:  # blocks compiled in place run eagerly here too
+            with self.ctx.precision.autocast(), compiling.eager():
                 loss = loss_fn(model(self.inp), self.tar)
             loss.backward()
 

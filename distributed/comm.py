@@ -235,11 +235,7 @@ def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, t
     if torch.cuda.is_available():
         device = torch.device("cuda", cuda_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        # TF32 matmuls unless the user turned them off the NVIDIA way.
-        tf32 = os.environ.get("NVIDIA_TF32_OVERRIDE", "1") != "0"
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-        torch.backends.cudnn.benchmark = True
+        set_cuda_defaults()
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(env))
@@ -262,6 +258,15 @@ def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, t
             raise LaunchError(problem) from None
     init(order, **sizes)  # every rank raises the same one-line error
     return env, device
+
+
+def set_cuda_defaults() -> None:
+    """How a GPU run computes: TF32 matmuls and convolutions unless the user turned them off
+    the NVIDIA way (NVIDIA_TF32_OVERRIDE=0), and cuDNN choosing its fastest algorithms."""
+    tf32 = os.environ.get("NVIDIA_TF32_OVERRIDE", "1") != "0"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = True
 
 
 ONE_GPU_PER_RANK = ("start at most as many ranks per node as it has GPUs (torchrun "

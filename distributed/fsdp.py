@@ -25,6 +25,12 @@ at twice the gather bytes of a bf16 gather. Gathering in bf16/fp16 instead would
 what autocast keeps in fp32 (the LayerNorms, the AFNO's spectral filter, which runs in fp32
 by design) and so the training itself.
 
+FSDP2 asks the reduce-scatter for the mean of fp32 gradients (ReduceOp.AVG). Gloo in PyTorch
+2.7 accepts that op and returns the sum, so on a CPU every gradient came out dp times too
+large; where a probe of the group finds that, each FSDP module divides its reduced
+gradients by dp after the reduce-scatter (`set_all_reduce_hook`, FSDP2's hook for that
+place). NCCL averages; newer gloo averages too.
+
 fully_shard replaces each parameter by a DTensor: `keep_annotations` carries the
 model-parallel annotations (distributed/helpers.py) over to it by name, and `local` gives
 the plain tensor of this rank's shard (what sums and checks work on).
@@ -68,7 +74,25 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
         # for a root: its backward starts right after its forward).
         fully_shard(model, mesh=mesh, mp_policy=policy)
     model.blocks_reshard_after_forward = reshard_after_forward  # for `gathered`
+    group = mesh.get_group()
+    if sums_when_asked_to_average(group):  # the module docstring says which PyTorch
+        size = dist.get_world_size(group)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(lambda grads: grads.div_(size))
     return model
+
+
+def sums_when_asked_to_average(group: dist.ProcessGroup) -> bool:
+    """Whether `group`'s reduce-scatter returns the sum when asked for the mean (gloo in
+    PyTorch 2.7): a probe, one reduce-scatter of `size` ones (collective over the group;
+    only gloo groups are probed)."""
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+        return False
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, torch.ones(dist.get_world_size(group)),
+                               op=dist.ReduceOp.AVG, group=group)
+    return out.item() > 1.5  # the mean of ones is 1, their sum the group's size
 
 
 @contextlib.contextmanager
@@ -115,7 +139,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
         yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)  # every FSDP module of it
+    set_reshard_after_forward(model, False)  # every FSDP module of it
     for m in modules:
         m.unshard()
     try:
@@ -124,4 +148,20 @@ def gathered(model: nn.Module) -> Iterator[None]:
         for m in modules:
             m.reshard()
         for block in model.blocks:
-            block.set_reshard_after_forward(model.blocks_reshard_after_forward)
+            set_reshard_after_forward(block, model.blocks_reshard_after_forward)
+
+
+def set_reshard_after_forward(module: nn.Module, value: bool) -> None:
+    """FSDPModule.set_reshard_after_forward on `module` and every FSDP module inside it.
+    PyTorch 2.7 has no such method: there this sets what the method sets in later releases,
+    the mesh each parameter group reshards to after forward (none: stay whole), with the
+    helper that fully_shard itself uses."""
+    if hasattr(module, "set_reshard_after_forward"):
+        module.set_reshard_after_forward(value)
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is not None:
+            group.post_forward_mesh_info = _get_post_forward_mesh_info(value, group.mesh_info)

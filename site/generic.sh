@@ -44,7 +44,7 @@ export PYTHON
 export DATA_DIR="${DATA_DIR:-$_repo/datasets/synthetic}"
 export LOG_DIR="${LOG_DIR:-$_repo/logs}"
 # torch.compile's caches (--enable_jit, e.g. cpu_short_opt): unset, they live in
-# $LOG_DIR/torch_compile_cache, which every task and every later job of the same config reuse.
-# Set a directory on a file system all nodes see, e.g. one per project:
-# export TORCHINDUCTOR_CACHE_DIR=/shared/project/torch_compile_cache
+# $LOG_DIR/torch_compile_cache/<host name>, which the tasks of a node and its later jobs reuse.
+# A directory set here is used as it is, by every node, e.g. a node-local disk that jobs keep:
+# export TORCHINDUCTOR_CACHE_DIR=/local/scratch/torch_compile_cache
 unset _repo _name

@@ -155,8 +155,11 @@ def test_shutdown_leaves_no_communication_thread_to_outlive_the_interpreter() ->
     """A gloo thread alive at interpreter exit can abort a finished run (exit -6); after
     comm.shutdown() none is left, also after DDP (whose import of torch._dynamo would
     otherwise bind the world group as a default argument)."""
-    for running, while_held, released in run_distributed(
-            _shutdown_joins_every_communication_thread, 4):
+    counts = run_distributed(_shutdown_joins_every_communication_thread, 4)
+    if not any(running for running, _, _ in counts):
+        pytest.skip(f"PyTorch {torch.__version__} does not name gloo's threads "
+                    f"{comm.GLOO_THREAD_NAMES}: nothing to count")  # PyTorch 2.7
+    for running, while_held, released in counts:
         assert running > while_held > released == 0  # a held group keeps its threads
     assert run_distributed(_shutdown_after_a_ddp_step, 4) == [0, 0, 0, 0]
 

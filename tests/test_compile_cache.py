@@ -1,7 +1,8 @@
 """torch.compile is decided in one place (training/compiling.py) and its cost is shown and
 paid once: a run logs its time to the first step and its compile time (and puts both in
-TensorBoard); Inductor's caches live under the log root, so a second job of the same config
-finds every graph there; validation compiles nothing."""
+TensorBoard); Inductor's caches live under the log root, one folder per node (its host
+name), so a second job of the same config on that node finds every graph there; validation
+compiles nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TINY_ITERS_PER_EPOCH, assert_completed
 
-from training.compiling import CACHE_ENV, CACHE_SUBDIR, use_compile_cache
+from training.compiling import CACHE_ENV, CACHE_SUBDIR, node_name, use_compile_cache
 
 FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started; torch\.compile "
                         r"([\d.]+) s for (\d+) graphs \(compile cache (.+): (\d+) hits, "
@@ -51,7 +52,7 @@ def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_r
     cold = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
     assert_completed(cold, 2 * TINY_ITERS_PER_EPOCH, epochs=2)
     first, whole = compile_lines(cold.stdout)
-    assert first.group(4) == str(logs / CACHE_SUBDIR)
+    assert first.group(4) == str(logs / CACHE_SUBDIR / node_name())  # this node's
     assert int(first.group(5)) == 0 and int(first.group(6)) > 0  # compiled from scratch
     assert any((logs / CACHE_SUBDIR).rglob("*")), "nothing was written to the cache"
     # Validation, before step 1 and after each epoch, runs the model eagerly: no graph is
@@ -68,7 +69,7 @@ def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_r
     warm = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
     assert_completed(warm, 2 * TINY_ITERS_PER_EPOCH)
     first, whole = compile_lines(warm.stdout)
-    assert first.group(4) == str(logs / CACHE_SUBDIR)
+    assert first.group(4) == str(logs / CACHE_SUBDIR / node_name())
     hits, misses = int(first.group(5)), int(first.group(6))
     assert misses == 0 and hits > 0, first.group(0)  # every graph came from the cache
     assert whole.group(2) == first.group(3)
@@ -79,12 +80,27 @@ def test_a_compile_cache_chosen_by_the_user_or_the_site_wins(tmp_path, monkeypat
     assert use_compile_cache(str(tmp_path / "logs")) == str(tmp_path / "site_cache")
     assert os.environ[CACHE_ENV] == str(tmp_path / "site_cache")
     monkeypatch.delenv(CACHE_ENV)
-    expected = str(tmp_path / "logs" / CACHE_SUBDIR)
+    expected = str(tmp_path / "logs" / CACHE_SUBDIR / node_name())  # one per node
     assert use_compile_cache(str(tmp_path / "logs")) == expected
     assert os.environ[CACHE_ENV] == expected  # where Inductor looks, set before it compiles
     monkeypatch.chdir(tmp_path)  # a relative log root (the configs' `logs`) made absolute
     monkeypatch.delenv(CACHE_ENV)
     assert use_compile_cache("logs") == expected
+
+
+def test_each_node_keeps_its_own_compile_cache_under_the_log_root(tmp_path, monkeypatch):
+    """Not one folder for all nodes: Inductor's file locks are slow or unreliable across the
+    nodes of a parallel file system. A node's short host name names its folder."""
+    import socket
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    dirs = []
+    for host in ("nid001234.chn.example.org", "nid001235"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        dirs.append(use_compile_cache(str(tmp_path / "logs")))
+        monkeypatch.delenv(CACHE_ENV)
+    assert dirs == [str(tmp_path / "logs" / CACHE_SUBDIR / "nid001234"),
+                    str(tmp_path / "logs" / CACHE_SUBDIR / "nid001235")]
 
 
 def test_only_training_compiling_calls_torch_compile():

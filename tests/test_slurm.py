@@ -211,8 +211,8 @@ def test_preemption_requeue_resume(cluster, training_jobs):
     a checkpoint and requeues its own job -> the rerun (same arguments) resumes there.
     First of the job tests: the signal has to arrive while the job is still training."""
     job = training_jobs["preempt"]
-    try:  # logged after the first training step: the stop signal handler is in place
-        cluster.wait_output(job, "Memory after the first step", timeout=JOB_TIMEOUT)
+    try:  # logged after the second training step: the stop signal handler is in place
+        cluster.wait_output(job, "Memory of step 2", timeout=JOB_TIMEOUT)
     except TimeoutError as e:
         pytest.fail(str(e))
     cluster.signal(job, "USR1")  # what --signal=USR1@<seconds> sends before the time limit

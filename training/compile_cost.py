@@ -3,7 +3,8 @@
 - the compile cache (training/compiling.py): paid once per config, not once per job.
 - `StartupReport`: after the first training step of a process, one log line (rank 0) with
   the time since the process started and how much of it was compiling, and the cache
-  hits; at the end of the run, the compile total, which shows any compile after step 1.
+  hits (and a warning if a run asked to compile compiled nothing); at the end of the run,
+  the compile total, which shows any compile after step 1.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class StartupReport:
             line += f"; {describe_compile()}"
             scalars["Startup/torch.compile [s]"] = compile_seconds()
         log.info(line)
+        if self.compiled and compile_counts()["graphs"] == 0:  # never a silent eager run
+            log.warning("torch.compile compiled no graph by the first step: this run's model "
+                        "runs eagerly (enable_jit is set); report the log")
         run_log.scalars(step, scalars)
 
     def at_end(self) -> None:

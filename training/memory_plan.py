@@ -25,10 +25,12 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
   - DDP's gradient buckets (one buffer of every gradient, made in C++ when DDP wraps the
     model; fake tensors cannot build DDP) are added to the communication buffers. The loss
     scaler's step (it reads its overflow flag on the host) is left out: it unscales in
-    place. torch.compile is not traced: the estimate is for the eager step.
+    place. torch.compile is not traced: the estimate is for the eager step;
+  - in the precision the run computes in: `amp_mode: auto` is what it picks on
+    `device_type` (bf16 on a GPU that runs it natively).
 What this cannot know (the CUDA context, NCCL's buffers, the caching allocator's slack) is
-the planner's stated allowance (bench/memory_plan.py), and the CPU estimate is checked
-against the allocations of real runs in every layout (tests/test_memory_plan.py).
+the stated ALLOWANCE below, and the CPU estimate is checked against the allocations of real
+runs in every layout (tests/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from networks import kernels
 from networks.loss import build_loss
 from training.step import Step
 from utils.config_schema import Config
-from utils.precision import Precision
+from utils.precision import Precision, auto_amp_mode
 
 log = logging.getLogger("train")
 
@@ -64,6 +66,24 @@ KINDS = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "pa
          "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
          "Temp": "activations", "Inputs": "activations", "Other": "activations",
          "All Gather": "communication", "Reduce Scatter": "communication"}
+# The allowance for what no tensor shows on a GPU, in one place (the planner's peak on a GPU
+# is the tensors' peak plus this): CONTEXT_GIB for the CUDA context with cuBLAS/cuDNN's
+# workspaces, NCCL's buffers (outside PyTorch's allocator) and what the card keeps for itself
+# (an A100 40GB shows 39.4 GiB), FRAGMENTATION of the tensors' peak for the caching
+# allocator's reserved but unused blocks. Calibrated by `make gpu-check`, whose memory
+# section measures both parts on its GPU after a reset once warm (device used minus
+# reserved; reserved minus allocated) and writes them into its report: set these two from
+# the first GPU reports and name them in ALLOWANCE_SOURCE. Until then they are guesses.
+CONTEXT_GIB = 1.5
+FRAGMENTATION = 0.05
+ALLOWANCE_SOURCE = "uncalibrated: a guess until the first GPU report of `make gpu-check`"
+
+
+def allowance_gib(tensor_peak_gib: float) -> float:
+    """The allowance on a GPU for a tensors' peak of `tensor_peak_gib` (GiB)."""
+    return CONTEXT_GIB + FRAGMENTATION * tensor_peak_gib
+
+
 # Deeper models are extrapolated from these two depths: from depth 3 on, each added block
 # adds the same bytes to every phase's peak (at depth 2 the backward of a recomputing model
 # still peaks elsewhere).
@@ -153,14 +173,25 @@ class _Phases:
             self.tracker.where = (step, f"after {name}")
 
 
+def run_amp_mode(amp_mode: str, device_type: str) -> str:
+    """What `amp_mode` computes in on a `device_type` device: 'auto' is bf16 on a GPU (every
+    GPU the tutorial sizes for runs it natively) and this CPU's choice on a CPU."""
+    if amp_mode != "auto":
+        return amp_mode
+    return "bf16" if device_type == "cuda" else auto_amp_mode(torch.device("cpu"))
+
+
 def trace_layout(cfg: Config, layout: Layout, local_batch: int,
-                 device_type: str = "cuda") -> Estimate:
+                 device_type: str = "cuda", amp_mode: str | None = None) -> Estimate:
     """This rank's estimate for `cfg` in `layout` (its process groups must exist:
-    comm.init ran) with `local_batch` samples, the kernels choosing as on `device_type`."""
+    comm.init ran) with `local_batch` samples, the kernels choosing as on `device_type`,
+    computing in `amp_mode` (default: what the config's runs in there, `run_amp_mode`)."""
     depths = [cfg.depth] if cfg.depth <= TRACED_DEPTHS[-1] else list(TRACED_DEPTHS)
+    amp_mode = amp_mode or run_amp_mode(cfg.amp_mode, device_type)
     try:
         with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
-            peaks = [_trace(cfg.replace(depth=d), layout, local_batch, device_type)
+            peaks = [_trace(cfg.replace(depth=d, amp_mode=amp_mode), layout, local_batch,
+                            device_type)
                      for d in depths]
     finally:
         # Fake tensors' dispatch cache (one for the process) keeps a collective's outputs,
@@ -196,11 +227,10 @@ def _trace(cfg: Config, layout: Layout, local_batch: int,
         if not layout.fsdp:
             tracker.track_external(model, optimizer)
         tracker.start_phase_tracking()
-        mode_name = "none" if cfg.amp_mode == "auto" else cfg.amp_mode
         tile = layout.tile.shape
-        run = SimpleNamespace(
+        run = SimpleNamespace(  # amp_mode: the run's, resolved by trace_layout
             model=model, optimizer=optimizer, layout=layout, prof=_Phases(tracker),
-            ctx=SimpleNamespace(precision=Precision(mode_name, "cpu")),
+            ctx=SimpleNamespace(precision=Precision(cfg.amp_mode, "cpu")),
             loss=build_loss(cfg.loss, torch.ones(tile[0]), layout.sum_over_grid),
             scaler=torch.amp.GradScaler("cpu", enabled=False))
         target = ((cfg.rollout_steps,) if cfg.rollout_steps > 1 else ()) + (cfg.n_out_channels,)
@@ -266,22 +296,27 @@ def _ddp_buckets(cfg: Config, layout: Layout) -> float:
     return float(sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-def first_step_line(cfg: Config, layout: Layout, local_batch: int, measured_gb: float) -> str:
-    """The log line of the first step's memory: `measured_gb` (on a GPU the tensors' peak,
-    on a CPU the resident set: training/setup.py) beside this estimate of the tensors'
-    peak over the first step. Only the logging rank traces (seconds); an estimate that
-    cannot be traced says why in the line and never stops the run. Not under FSDP: its
-    trace on the job's own dp group leaves FSDP state that keeps the group alive past
-    comm.shutdown() (bench/memory_plan.py traces FSDP on a fake world instead)."""
-    kind = "tensors" if layout.device.type == "cuda" else "resident set"
-    line = f"Memory after the first step {measured_gb:.2f} GB ({kind})"
+def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: str,
+                     measured: dict[str, float], step: int) -> str:
+    """The log line of a warm step's memory (`step`, the second this process runs; the
+    peak was reset just before it): `measured` (training.setup.memory_since_reset:
+    on a GPU the tensors' and the allocator's peaks, on a CPU the resident set) beside this
+    estimate of the tensors' peak, traced in the run's precision `amp_mode`. Only the logging
+    rank traces (seconds); an estimate that cannot be traced says why in the line and never
+    stops the run. Not under FSDP: its trace on the job's own dp group leaves FSDP state
+    that keeps the group alive past comm.shutdown() (bench/memory_plan.py traces FSDP on a
+    fake world instead)."""
+    parts = ", ".join(f"{gb:.2f} GB {what}" for what, gb in measured.items())
+    line = f"Memory of step {step} (its own peak, reset once warm): {parts}"
     if comm.get_world_rank() != 0:
         return line
     if layout.fsdp:  # a trace of FSDP2 on the job's own dp group keeps that group alive
         return f"{line}; planner: `python -m bench.memory_plan` (FSDP is not traced in a job)"
     try:
-        estimate = trace_layout(cfg, layout, local_batch, layout.device.type)
+        estimate = trace_layout(cfg, layout, local_batch, layout.device.type, amp_mode)
     except Exception as e:  # noqa: BLE001 - an estimate must never stop the training
         return f"{line}; planner: no estimate ({type(e).__name__}: {str(e)[:80]})"
-    return (f"{line}; planner's estimate of the tensors {estimate.first_step / GIB:.3g} GB "
-            "(training/memory_plan.py)")
+    how = f"eager step, {'fp32' if amp_mode == 'none' else amp_mode}"
+    how += "; this run compiles" if cfg.enable_jit else ""
+    return (f"{line}; planner's estimate of the tensors {estimate.peak / GIB:.3g} GB "
+            f"({how}; training/memory_plan.py)")

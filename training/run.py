@@ -61,9 +61,14 @@ def wrap_model(model: torch.nn.Module, cfg: Config, layout: Layout) -> torch.nn.
     the ranks of a model-parallel group hold different shards, whose gradients must not be
     mixed. On a GPU, DDP is built on a side stream: CUDA-graph capture of the full backward
     requires it (PyTorch CUDA semantics, "Usage with DistributedDataParallel") and it costs
-    nothing otherwise."""
+    nothing otherwise. Under FSDP or activation checkpointing, torch.compile compiles each
+    block before the model is wrapped (`compiling.by_block` says why)."""
     compiling.prepare(cfg)  # the compile cache, before DDP's constructor asks Inductor for it
     device = layout.device
+    model = compiling.compile_blocks(model, cfg, layout.fsdp)  # before fully_shard / DDP
+    what = compiling.describe(cfg, layout.fsdp)
+    if what and comm.get_world_rank() == 0:
+        log.info(what)
     if layout.fsdp:
         model = fsdp.shard_model(model, fsdp.mesh_of(comm.get_group("dp"), device),
                                  reshard_after_forward=not cfg.no_reshard_after_forward)
@@ -78,7 +83,7 @@ def wrap_model(model: torch.nn.Module, cfg: Config, layout: Layout) -> torch.nn.
                 **buffer_sync(not cfg.disable_broadcast_buffers))
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-    return compiling.compile_model(model, cfg)
+    return compiling.compile_model(model, cfg, layout.fsdp)
 
 
 def buffer_sync(each_forward: bool) -> dict[str, bool]:
@@ -184,7 +189,7 @@ class Training:
         start = time.time()
         # Eagerly, without torch.compile: evaluation (no_grad, eval mode) would compile a
         # second graph of the model for little gain (docs/benchmarks.md, torch.compile).
-        with self.layout.evaluating(self.model):
+        with self.layout.evaluating(self.model), compiling.eager():
             val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
                            self.layout, self.ctx.precision, self.norm)
         val_time = time.time() - start

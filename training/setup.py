@@ -105,11 +105,49 @@ def describe_device(device: torch.device) -> str:
             f"{cpu_class().describe()}")
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: max allocated by tensors. CPU: the process's peak resident set size."""
+# The process's peak before the last `reset_peak_memory`, by device: `peak_memory_gb` stays
+# the whole run's peak however often a step's own peak is measured.
+_peak_before_reset: dict[str, float] = {}
+
+
+def _peak_since_reset_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """The whole process's peak. CUDA: max allocated by tensors. CPU: the process's peak
+    resident set size."""
+    return max(_peak_since_reset_gb(device), _peak_before_reset.get(str(device), 0.0))
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start measuring a new peak (`memory_since_reset`): on a GPU the caching allocator's
+    peak statistics, on a CPU the resident set's high-water mark (Linux: /proc/self/
+    clear_refs). False where the CPU's cannot be reset: it then counts from the start."""
+    key = str(device)
+    _peak_before_reset[key] = peak_memory_gb(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size (proc(5))
+        return True
+    except OSError:
+        return False
+
+
+def memory_since_reset(device: torch.device) -> dict[str, float]:
+    """The peaks since `reset_peak_memory`, GiB: on a GPU the tensors' (max allocated) and
+    the caching allocator's (max reserved); on a CPU the resident set's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return {"tensors": torch.cuda.max_memory_allocated(device) / 1024**3,
+                "reserved": torch.cuda.max_memory_reserved(device) / 1024**3}
+    return {"resident set": _peak_since_reset_gb(device)}
 
 
 def log_config(cfg: Config) -> None:

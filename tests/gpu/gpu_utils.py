@@ -23,7 +23,8 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
-from helpers import CONFIG_FILE, Tolerances, losses, run_script
+from helpers import CONFIG_FILE, REPO, Tolerances, losses, run_script
+from overflow_fault import read_records
 
 REQUIRED = bool(os.environ.get("GPU_TESTS_REQUIRED"))
 
@@ -149,3 +150,26 @@ def config_on_grid(tmp_path: Path, base: str, img_size: tuple[int, int]) -> tupl
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps({name: section}))  # JSON is YAML
     return str(path), name
+
+
+# ----------------------------------------------------------------- fp16 overflow on one rank
+
+OVERFLOW_STEP, OVERFLOW_PARAM = 3, "blocks.0.mlp.fc1.weight"  # column-parallel over tp
+
+
+def faulty_run(tmp_path_factory, data: Path, script: str, mp_rank: int, args: Sequence[str],
+               nproc: int | None = None):
+    """`script` with `args` (fp16 among them) and an inf forced into OVERFLOW_PARAM's
+    gradient on model-parallel rank `mp_rank` at OVERFLOW_STEP (tests/overflow_fault.py):
+    (run, records by rank)."""
+    records = tmp_path_factory.mktemp("records")
+    fault = [records, OVERFLOW_PARAM, OVERFLOW_STEP, mp_rank, script, *args]
+    run = gpu_run(str(REPO / "tests" / "overflow_fault.py"), fault, data,
+                  tmp_path_factory.mktemp("logs"), nproc=nproc, env=FP32_ENV)
+    return run, read_records(records)
+
+
+def skipped(records: dict[int, dict]) -> list[int]:
+    """The steps whose optimizer step applied no update."""
+    updates = [0.0] + [records[s]["adam_updates"] for s in sorted(records)]
+    return [s for s in sorted(records) if updates[s + 1] == updates[s]]

@@ -21,16 +21,18 @@ from gpu_utils import (
     FP16_PARAM_RTOL,
     FP32_ENV,
     MIXED_LOSS_RTOL,
+    OVERFLOW_STEP,
     TIMEOUT,
     assert_same_training,
     config_on_grid,
+    faulty_run,
     gpu_run,
     losses,
     need_gpus,
     require_cuda,  # noqa: F401  (fixture used through pytestmark)
+    skipped,
 )
 from helpers import REPO, final_checkpoint, run_script, srun_on_two_nodes
-from overflow_fault import read_records
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
 
@@ -83,26 +85,6 @@ def test_graphed_ddp_warms_up_11_steps_and_trains_like_eager_ddp(tiny_data, tmp_
 
 # ----------------------------------------------------------------- fp16 overflow on one rank
 
-OVERFLOW_STEP, OVERFLOW_PARAM = 3, "blocks.0.mlp.fc1.weight"  # column-parallel over tp
-
-
-def faulty_run(tmp_path_factory, data, script: str, mp_rank: int, *flags: str,
-               nproc: int | None = None):
-    """`script` in fp16 with an inf forced into OVERFLOW_PARAM's gradient on model-parallel
-    rank `mp_rank` at OVERFLOW_STEP (tests/overflow_fault.py): (run, records by rank)."""
-    records = tmp_path_factory.mktemp("records")
-    args = [records, OVERFLOW_PARAM, OVERFLOW_STEP, mp_rank, script,
-            *tiny("--amp_mode=fp16", *flags, iters=8)]
-    run = gpu_run(str(REPO / "tests" / "overflow_fault.py"), args, data,
-                  tmp_path_factory.mktemp("logs"), nproc=nproc, env=FP32_ENV)
-    return run, read_records(records)
-
-
-def skipped(records: dict[int, dict]) -> list[int]:
-    updates = [0.0] + [records[s]["adam_updates"] for s in sorted(records)]
-    return [s for s in sorted(records) if updates[s + 1] == updates[s]]
-
-
 @pytest.mark.parametrize("script, flags", [("train_mp.py", ()),
                                            ("train_mp_graphs.py", ("--graph_warmup=3",))],
                          ids=["eager", "graphed"])
@@ -111,9 +93,10 @@ def test_an_overflow_on_one_tp_rank_is_skipped_by_both_on_nccl(tiny_data, tmp_pa
     """An inf in one tp rank's shard gradient makes both tp ranks skip that step with one
     loss scale, as the serial run does (eager, and after a graph replay), over NCCL."""
     need_gpus(2)
-    serial, serial_records = faulty_run(tmp_path_factory, tiny_data, "train.py", 0)
-    run, records = faulty_run(tmp_path_factory, tiny_data, script, 1, "--tp=2", *flags,
-                              nproc=2)
+    serial, serial_records = faulty_run(tmp_path_factory, tiny_data, "train.py", 0,
+                                        tiny("--amp_mode=fp16", iters=8))
+    run, records = faulty_run(tmp_path_factory, tiny_data, script, 1,
+                              tiny("--amp_mode=fp16", "--tp=2", *flags, iters=8), nproc=2)
     want = skipped(serial_records[0])
     assert OVERFLOW_STEP in want, serial_records  # the fault did overflow the serial run
     assert sorted(records) == [0, 1], records
