@@ -174,13 +174,19 @@ def plot_scaling(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    from utils.config import FlagError
     from utils.errors import UserError
+
+    try:
+        args = parse_args(argv)
+    except FlagError as e:  # as argparse says it: the usage line, then the error
+        print(f"{e.usage}{e.prefix}error: {e}", file=sys.stderr)
+        return 2
 
     wall, cpu = time.time(), time.process_time()
     try:
         cfg, job, model, scaling = prepare(args)
-    except (UserError, ValueError) as e:
+    except UserError as e:  # a bad value, said in one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = plan_rows(args, cfg, job, model, scaling)
@@ -208,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     """The config, the job, the time model (calibrated if asked) and the scaling's GPU
-    counts; a UserError (or ValueError) for anything wrong with them."""
+    counts; a UserError for anything wrong with them."""
     from planning.dry_run import Job
     from planning.machines import DEFAULT_NETWORK, gpu_named, network_named
     from planning.predict import calibrated
@@ -222,8 +228,11 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     efficiency = args.efficiency or DEFAULT_EFFICIENCY
     if not 0 < efficiency <= 1:
         raise UserError(f"--efficiency {efficiency}: expected a fraction in (0, 1]")
-    scaling = [int(n) for n in args.scaling.split(",") if n] if args.scaling else []
-    if args.scaling and (not scaling or min(scaling) < 1):
+    try:
+        scaling = [int(n) for n in args.scaling.split(",")] if args.scaling else []
+    except ValueError:
+        scaling = [0]
+    if scaling and min(scaling) < 1:
         raise UserError(f"--scaling {args.scaling}: expected GPU counts like 4,16,64")
     job = Job(cfg, args.gpus, per_node)
     job.check_nodes()
@@ -232,7 +241,11 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     model = TimeModel(gpu, network, efficiency, per_node,
                       args.link_efficiency or LINK_EFFICIENCY)
     if args.measured_samples_per_s:
-        model = calibrated(job, model, args.measured_samples_per_s)
+        try:
+            model = calibrated(job, model, args.measured_samples_per_s)
+        except ValueError as e:  # faster than the GPU's peaks allow
+            raise UserError(f"--measured_samples_per_s {args.measured_samples_per_s:g}: "
+                            f"{e}") from None
     return cfg, job, model, scaling
 
 

@@ -41,7 +41,7 @@ from planning.step_trace import Trace, trace_step, uses_ddp
 from planning.time_model import Placement
 from training.setup import batch_sizes
 from utils.config_schema import Config
-from utils.errors import UserError
+from utils.errors import ConfigError, UserError
 from utils.parallel_axes import GROUPS, MODEL_PARALLEL, NAMES, config_sizes, model_parallel_size
 
 
@@ -80,7 +80,7 @@ class Job:
         self.dp = gpus // mp
         try:
             self.local_batch, self.global_batch = batch_sizes(cfg, self.dp)
-        except Exception as e:  # noqa: BLE001 - the schema's ConfigError, said as a flag
+        except ConfigError as e:
             raise UserError(f"{e}: give --local_batch_size (samples per GPU)") from None
         self.generator = RankGenerator({**sizes, "dp": self.dp}, cfg.parallel_order)
         self.axis_of = axis_names(self.generator)

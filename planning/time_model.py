@@ -156,8 +156,8 @@ class TimeModel:
         target = samples / samples_per_s
         lo, hi = 1e-4, 1.0
         if step_at(hi) > target:
-            raise ValueError(f"{samples_per_s:g} samples/s is faster than this model allows at "
-                             "the GPU's peak: check the config, flags, GPU and GPU count")
+            raise ValueError("faster than this model allows at the GPU's peaks: check the "
+                             "config, flags, GPU and GPU count of the measured run")
         for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if step_at(mid) > target else (lo, mid)

@@ -141,7 +141,7 @@ def test_the_calibrated_efficiency_gives_the_measured_step_back() -> None:
 
     measured = 16 / step_at(0.37)  # samples/s of a step of 16 samples at efficiency 0.37
     assert model.calibrate(measured, 16, step_at) == pytest.approx(0.37, rel=1e-6)
-    with pytest.raises(ValueError, match="faster than this model allows"):
+    with pytest.raises(ValueError, match="faster than this model allows at the GPU.s peaks"):
         model.calibrate(16 / step_at(1.0) * 1.5, 16, step_at)
     # the compute: a roofline per operator, at the peak of its matmul's dtype
     op = Compute(312e12, 1.55e12 / 2, torch.bfloat16)
