@@ -87,7 +87,7 @@ def collectives_table(rows: list[dict[str, Any]]) -> str:
 
 
 def print_job(job: Any, rows: list[dict[str, Any]]) -> None:
-    first, problems = rows[0], job.problems
+    first, problems = rows[0], rows[0]["job_problems"]
     start = job.startup()
     print(f"groups of {job.gpus} ranks: " + ("every rank in one group of each axis, the axes "
           "orthogonal" if not problems else "PROBLEMS: " + "; ".join(problems[:5])))
@@ -128,6 +128,7 @@ def layouts_table(rows: list[dict[str, Any]]) -> str:
              "|" + "---:|" * 5 + ":---:|:---:|---:|:---:|" + "---:|" * 4]
     for r in rows:
         mark = ("**fastest**" if r["fastest"] else "yes") if r["fits"] else "no"
+        mark += " (tp across nodes)" if r["tp_crosses_nodes"] else ""
         exposed = sum(r["exposed_s"].values())
         lines.append(f"| {r['dp']} | {r['tp']} | {r['cp']} | {r['h']} | {r['w']} | "
                      f"{'yes' if r['fsdp'] else ''} | {r['activation_checkpointing']} | "
@@ -182,7 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlagError as e:  # as argparse says it: the usage line, then the error
         print(f"{e.usage}{e.prefix}error: {e}", file=sys.stderr)
         return 2
-
     wall, cpu = time.time(), time.process_time()
     try:
         cfg, job, model, scaling = prepare(args)
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
         return 0
-    print_header(args, cfg, job, model, rows[0])
+    print_header(args, cfg, model, rows[0])
     if args.layouts == "all":
         print(layouts_table(rows))
         report_fastest(rows)
@@ -213,9 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
-    """The config, the job, the time model (calibrated if asked) and the scaling's GPU
-    counts; a UserError for anything wrong with them."""
+    """The config, the job (None for --layouts all without calibration: each layout is its
+    own), the time model (calibrated if asked) and the scaling's GPU counts; a UserError
+    for anything wrong with them."""
     from planning.dry_run import Job
+    from planning.layouts import layouts
     from planning.machines import DEFAULT_NETWORK, gpu_named, network_named
     from planning.predict import calibrated
     from planning.time_model import LINK_EFFICIENCY, TimeModel
@@ -234,12 +236,18 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
         scaling = [0]
     if scaling and min(scaling) < 1:
         raise UserError(f"--scaling {args.scaling}: expected GPU counts like 4,16,64")
+    model = TimeModel(gpu, network, efficiency, per_node,
+                      args.link_efficiency or LINK_EFFICIENCY)
+    if args.layouts == "all" and (args.gpus < 1 or not layouts(cfg, args.gpus)):
+        raise UserError(f"config '{args.config}' has no layout on --gpus {args.gpus}: its "
+                        f"global batch {cfg.global_batch_size} must divide among the "
+                        "data-parallel ranks (or give --local_batch_size)")
+    if args.layouts == "all" and not args.measured_samples_per_s:
+        return cfg, None, model, scaling
     job = Job(cfg, args.gpus, per_node)
     job.check_nodes()
     for n in scaling:
         Job(cfg.replace(local_batch_size=job.local_batch), n, per_node).check_nodes()
-    model = TimeModel(gpu, network, efficiency, per_node,
-                      args.link_efficiency or LINK_EFFICIENCY)
     if args.measured_samples_per_s:
         try:
             model = calibrated(job, model, args.measured_samples_per_s)
@@ -255,25 +263,21 @@ def plan_rows(args: Any, cfg: Any, job: Any, model: Any, scaling: list[int]
     from planning.predict import job_rows, layout_rows, scaling_rows
 
     if args.layouts == "all":
-        rows = layout_rows(cfg, args.gpus, job.gpus_per_node, model)
-    elif scaling:
-        rows = scaling_rows(cfg, scaling, job.gpus_per_node, model, job.local_batch)
-    else:
-        rows = job_rows(job, model)
-    job.problems = job.partition_problems()
-    for r in rows:
-        r["groups_ok"] = r["groups_ok"] and not job.problems
-    return rows
+        return layout_rows(cfg, args.gpus, model.gpus_per_node, model)
+    if scaling:
+        return scaling_rows(cfg, scaling, model.gpus_per_node, model, job.local_batch)
+    return job_rows(job, model)
 
 
-def print_header(args: Any, cfg: Any, job: Any, model: Any, row: dict[str, Any]) -> None:
+def print_header(args: Any, cfg: Any, model: Any, row: dict[str, Any]) -> None:
     from planning.layouts import model_summary
 
     print(f"dry run: config {args.config} ({model_summary(cfg)}), amp {cfg.amp_mode}; "
-          f"{job.gpus} x {model.gpu.name}, {job.gpus_per_node} per node "
-          f"({model.network.name}); local batch {job.local_batch}, global "
-          f"{job.global_batch}")
-    per_sample = row["rank_flops"] * (job.gpus // job.dp) / job.local_batch
+          f"{row['gpus']} x {model.gpu.name}, {model.gpus_per_node} per node "
+          f"({model.network.name}); local batch {row['local_batch']}, global "
+          f"{row['global_batch']}")
+    mp = row["tp"] * row["cp"] * row["h"] * row["w"]
+    per_sample = row["rank_flops"] * mp / row["local_batch"]
     print(f"FLOPs per sample: {row['flops_per_sample'] / 1e12:.3g} T (the model's, "
           f"networks.training_flops); rank {row['rank']}'s step: "
           f"{row['rank_flops'] / 1e12:.3g} TFLOP counted ({per_sample / 1e12:.3g} T per "

@@ -53,11 +53,15 @@ def role_row(job: Job, role: Role, model: TimeModel) -> dict[str, Any]:
 def job_rows(job: Job, model: TimeModel, ranks: list[int] | None = None,
              memory: bool = True) -> list[dict[str, Any]]:
     """A row per rank role (`Job.roles`, or `ranks`); every row's `samples_per_s` is the
-    job's: the global batch over the slowest role's step."""
+    job's: the global batch over the slowest role's step; `groups_ok` also says the whole
+    job's groups passed `Job.partition_problems` (`job_problems`)."""
     rows = [role_row(job, job.role(r, memory), model) for r in (ranks or job.roles())]
     slowest = max(r["step_s"] for r in rows)
+    problems = job.partition_problems()  # the whole job's groups, checked once
     for r in rows:
         r["samples_per_s"] = job.global_batch / slowest
+        r["job_problems"] = problems
+        r["groups_ok"] = r["groups_ok"] and not problems
     return rows
 
 
