@@ -17,7 +17,7 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
     backward, model-parallel gradient reduction, optimizer) mark its phases, and the
     tracker keeps the peak of each;
   - collectives on fake tensors move nothing: one rank traces alone, on the process groups
-    of a running job or on a fake world of any size (bench/memory_plan.py); traced as on
+    of a running job or on a fake world of any size (planning/fake_world.py); traced as on
     a CPU, gloo's all-gather and reduce-scatter add the temporary they copy through;
   - every block holds the same shapes, so in each phase every part is an affine function
     of the depth: a deep model is traced at depths 3 and 4 and each phase's peak
@@ -27,7 +27,7 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
     scaler's step (it reads its overflow flag on the host) is left out: it unscales in
     place. torch.compile is not traced: the estimate is for the eager step.
 What this cannot know (the CUDA context, NCCL's buffers, the caching allocator's slack) is
-the planner's stated allowance (bench/memory_plan.py), and the CPU estimate is checked
+the planner's stated allowance (planning/layouts.py), and the CPU estimate is checked
 against the allocations of real runs in every layout (tests/test_memory_plan.py).
 """
 
@@ -272,7 +272,7 @@ def first_step_line(cfg: Config, layout: Layout, local_batch: int, measured_gb: 
     peak over the first step. Only the logging rank traces (seconds); an estimate that
     cannot be traced says why in the line and never stops the run. Not under FSDP: its
     trace on the job's own dp group leaves FSDP state that keeps the group alive past
-    comm.shutdown() (bench/memory_plan.py traces FSDP on a fake world instead)."""
+    comm.shutdown() (`python -m bench.memory_plan` traces FSDP on a fake world instead)."""
     kind = "tensors" if layout.device.type == "cuda" else "resident set"
     line = f"Memory after the first step {measured_gb:.2f} GB ({kind})"
     if comm.get_world_rank() != 0:
@@ -284,4 +284,4 @@ def first_step_line(cfg: Config, layout: Layout, local_batch: int, measured_gb: 
     except Exception as e:  # noqa: BLE001 - an estimate must never stop the training
         return f"{line}; planner: no estimate ({type(e).__name__}: {str(e)[:80]})"
     return (f"{line}; planner's estimate of the tensors {estimate.first_step / GIB:.3g} GB "
-            "(training/memory_plan.py)")
+            "(the memory planner, python -m bench.memory_plan)")
