@@ -217,12 +217,14 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     own), the time model (calibrated if asked) and the scaling's GPU counts; a UserError
     for anything wrong with them."""
     from planning.dry_run import Job
+    from planning.fake_world import require_collectives_on_fake_tensors
     from planning.layouts import layouts
     from planning.machines import DEFAULT_NETWORK, gpu_named, network_named
     from planning.predict import calibrated
     from planning.time_model import LINK_EFFICIENCY, TimeModel
     from utils.errors import UserError
 
+    require_collectives_on_fake_tensors()
     cfg = read_config(args.yaml_config, args.config, flags=flags_given(args))
     gpu = gpu_named(args.gpu)
     network = network_named(args.network or DEFAULT_NETWORK[gpu.name])

@@ -60,6 +60,7 @@ def table(rows: list[dict[str, Any]], device_type: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from planning.fake_world import require_collectives_on_fake_tensors
     from planning.layouts import (
         CONTEXT_GIB,
         FRAGMENTATION,
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from utils.errors import UserError
 
     try:
+        require_collectives_on_fake_tensors()
         cfg = read_config(args.yaml_config, args.config, environ={})
         if args.gpus < 1 or args.gpu_memory_gb <= 0:
             raise UserError(f"--gpus {args.gpus} and --gpu_memory_gb {args.gpu_memory_gb}: "

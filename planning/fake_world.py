@@ -23,15 +23,33 @@ import torch
 import torch.distributed as dist
 
 from distributed import comm
+from distributed.startup_checks import TESTED_TORCH
+from utils.errors import UserError
+
+
+def runs_collectives_on_fake_tensors() -> bool:
+    """Whether this PyTorch has fake (meta) kernels for the c10d collectives: newer releases
+    register them, 2.7 does not (its collectives stop a fake step at the first call)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Meta")
+
+
+def require_collectives_on_fake_tensors() -> None:
+    """A UserError (one line) on a PyTorch that cannot run collectives on fake tensors."""
+    if not runs_collectives_on_fake_tensors():
+        raise UserError(f"PyTorch {torch.__version__} cannot run collectives on fake tensors, "
+                        f"which the dry run and the planner need: use a newer PyTorch (tested "
+                        f"with {TESTED_TORCH})")
 
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """torch.distributed initialised as rank `rank` of `world_size` on the fake backend for
     the duration (this process must have no process group of its own); ended with every
-    group the block made (`comm.shutdown`)."""
+    group the block made (`comm.shutdown`). On a PyTorch that cannot run collectives on
+    fake tensors, a UserError says so."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    require_collectives_on_fake_tensors()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is initialised in this process already: a "
                            "fake world needs the process to itself")
