@@ -7,7 +7,7 @@
 For every layout the config can run in on `--gpus` ranks (planning/layouts.py: every split
 the config's schema accepts, DDP or FSDP, recompute or not, the config's precision), one
 rank's peak memory, from a trace of the training step on fake tensors by PyTorch's memory
-trackers (training/memory_plan.py says how), split into parameters, gradients, optimizer
+trackers (planning/memory.py says how), split into parameters, gradients, optimizer
 state, activations, communication buffers, and on a GPU the stated allowance for what no
 tensor shows. Also the peak up to the end of the first forward pass, the figure the
 tutorial's logs print. Then which layouts fit, and the fastest that fits by the planner's

@@ -5,7 +5,7 @@
 
 A layout: tp x cp for the ViT, h x w for the AFNO, dp what is left and dividing the global
 batch; DDP, or FSDP when dp > 1; activation checkpointing none or blocks. Its row: one
-rank's peak memory from the planner's trace (training/memory_plan.py) split into
+rank's peak memory from the planner's trace (planning/memory.py) split into
 parameters, gradients, optimizer state, activations and communication buffers, plus on a
 GPU the stated ALLOWANCE for what no tensor shows; `fits` when the peak is within the GPU's
 memory. The fastest layout that fits, by this rule, in order (`fastest_key`):
@@ -35,7 +35,7 @@ import torch
 from distributed import comm
 from distributed.layout import Layout as RankLayout
 from planning.fake_world import fake_world
-from training.memory_plan import GIB, Estimate, trace_layout
+from planning.memory import GIB, Estimate, trace_layout
 from training.setup import batch_sizes
 from utils.config_schema import Config
 from utils.errors import ConfigError

@@ -227,7 +227,7 @@ def uses_ddp(cfg: Config, layout: Layout) -> bool:
 def trace_step(cfg: Config, layout: Layout, local_batch: int,
                device_type: str = "cuda") -> Trace:
     """This rank's second training step on fake tensors (module docstring); comm.init ran."""
-    from training.memory_plan import _optimizer  # the planner's Adam, as on `device_type`
+    from planning.memory import _optimizer  # the planner's Adam, as on `device_type`
 
     trace = Trace(local_batch=local_batch)
     with torch.device("meta"):

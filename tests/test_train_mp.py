@@ -124,7 +124,7 @@ def test_tp2_log_shows_the_layout_parameters_per_rank_and_memory(tp2, tiny_param
     first = logged_gb(tp2, r"Memory after the first step")
     peak = logged_gb(tp2, rf"Finished {ITERS} iterations; peak memory")
     assert 0 < setup <= first <= peak  # CPU: peak RSS, which never goes down
-    # beside it, the memory planner's estimate of this rank's tensors (training/memory_plan)
+    # beside it, the memory planner's estimate of this rank's tensors (planning/memory.py)
     assert 0 < logged_gb(tp2, r"\(resident set\); planner's estimate of the tensors") < first
 
 
