@@ -25,8 +25,8 @@ import logging
 import time
 
 from distributed.layout import Layout
+from planning.memory import step_memory_line
 from training.compile_cost import StartupReport
-from training.memory_plan import step_memory_line
 from training.run import build_model, build_training
 from training.script_exit import run_main
 from training.setup import memory_since_reset, reset_peak_memory, start_run

@@ -5,7 +5,7 @@ cost of activation checkpointing and of FSDP against DDP in the same layout.
     python -m bench.bench_memory --config cpu_mp --gpus 4 --iters 0 --json   # memory only
 
 One `torchrun --nproc_per_node gpus` job runs every layout the planner lists for the
-config on `--gpus` ranks (bench/memory_plan.py `layouts`), one after the other in the same
+config on `--gpus` ranks (planning/layouts.py `layouts`), one after the other in the same
 processes (new process groups for each). In each layout, every rank builds what train_mp.py
 builds (the layout's model, DDP or FSDP, Adam, the loss and its scaler: training/run.py)
 and runs training/step.py's step on a random batch kept in memory:
@@ -42,7 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.bench_mp import torchrun_results
-from bench.memory_plan import Layout, layouts, model_summary, plan_all
+from planning.layouts import Layout, layouts, model_summary, plan_all
 from utils.openmp import available_cores
 
 REPO = Path(__file__).resolve().parent.parent

@@ -88,8 +88,13 @@ def get_rank(name: str) -> int:
 
 
 def get_group(name: str) -> dist.ProcessGroup | None:
-    """The process group `name` this rank belongs to (None on one process)."""
+    """The process group `name` this rank belongs to (None on one process). A group of one
+    rank has no process group (`init`): asking for it is an error, since None would mean the
+    whole world to torch.distributed. Callers ask `get_size(name) > 1` first."""
     _check_name(name)
+    if name in _sizes and name not in _groups and is_distributed():
+        raise ValueError(f"process group {name!r} has one rank in this layout: there is "
+                         "nothing to communicate over it (check comm.get_size first)")
     return _groups.get(name)
 
 
@@ -108,6 +113,10 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     `order` lists the axes fastest-varying first (see distributed.rank_generator). Every process
     must call this with the same arguments: creating a group is collective over the world.
     `backend` is only used when this call has to initialise torch.distributed itself.
+
+    What start-up costs at scale: a group is made once for each distinct partition of the
+    world (`RankGenerator.partitions`: "tp-cp" is "tp" while cp = 1), none for groups of one
+    rank, and a partition's groups all at once (`made_at_once`).
     """
     unknown = sorted(set(sizes) - set(MODEL_PARALLEL))
     if unknown:
@@ -126,25 +135,40 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
                           f" = {split}: choose sizes whose product divides it")
     layout = RankGenerator({**sizes, "dp": world // model_parallel}, order)
     rank = get_world_rank()
-    new_sizes, ranks, groups = {}, {}, {}
-    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # same members, same group
-    for name in GROUPS:
-        for members in layout.get_ranks(name):
-            # new_group is collective over the whole world: every process creates every group
-            key = tuple(members)
-            if key not in made:
-                made[key] = dist.new_group(ranks=members) if is_distributed() else None
-            if rank in members:
-                new_sizes[name], ranks[name], groups[name] = len(members), \
-                    members.index(rank), made[key]
     reset()
-    _sizes.update(new_sizes)
-    _ranks.update(ranks)
-    _groups.update(groups)
-    _group_names.update({n: g.group_name for n, g in groups.items() if g is not None})
+    for name in GROUPS:  # a group of one rank: nothing crosses it, no process group is made
+        _sizes[name], _ranks[name] = 1, 0
+    for names, groups in layout.partitions():
+        # collective over the whole world: every process makes every partition, in order
+        group = made_at_once(groups) if is_distributed() else None
+        members = next(g for g in groups if rank in g)
+        for name in names:
+            _sizes[name], _ranks[name], _groups[name] = len(members), members.index(rank), group
+    _group_names.update({n: g.group_name for n, g in _groups.items() if g is not None})
     if verbose and rank == 0:
         axes = " x ".join(f"{a} {n}" for a, n in layout.sizes.items())
         print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
+
+
+def made_at_once(groups: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of `groups`, a partition of the world, made by every rank together.
+    On NCCL with a GPU bound to the world's group (`init_process`), where this PyTorch has
+    `split_group`: one split of the world's communicator makes all of them. Elsewhere (gloo,
+    an older PyTorch) one `new_group` after another (`new_subgroups_by_enumeration`); on
+    NCCL each of those would be a split that every rank of the world joins. One group of
+    the whole world is the world's own."""
+    if len(groups) == 1:
+        return dist.group.WORLD
+    if splits_at_once():
+        return dist.split_group(split_ranks=groups)
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+def splits_at_once() -> bool:
+    """Whether `made_at_once` makes a partition's groups in one communicator split."""
+    return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
+            and getattr(dist.group.WORLD, "bound_device_id", None) is not None)
 
 
 def shutdown() -> None:

@@ -2,8 +2,9 @@
 data-parallel ranks, in place of DDP's replicas (`--fsdp`; docs/memory.md says when).
 
 DDP keeps on every rank the whole model, its gradients and Adam's two moments: 16 bytes per
-parameter in fp32. FSDP keeps 1/dp of each (dim 0 of every tensor split over the dp group)
-and, around each block's forward and backward, all-gathers that block's parameters; after
+parameter in fp32. FSDP keeps 1/dp of each (one dim of every tensor split over the dp group,
+`shard_dim`) and, around each block's forward and backward, all-gathers that block's
+parameters; after
 the block's backward it reduce-scatters the gradients (the sum DDP's all-reduce computes,
 each rank keeping its shard of it, averaged over dp as DDP does). `fully_shard` is applied
 to every block, then to the whole model (patch embedding, position embedding, final norm
@@ -39,6 +40,8 @@ the plain tensor of this rank's shard (what sums and checks work on).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 from collections.abc import Iterator
 
 import torch
@@ -46,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from utils.model_wrappers import uncompiled
 
@@ -65,14 +68,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
     """`model` with every block, then the whole, sharded over the ranks of `mesh` (in
     place; returned for chaining). `reshard_after_forward` False keeps each block's
     gathered parameters from its forward to its backward (one all-gather less per block)."""
-    policy = MixedPrecisionPolicy()  # fp32 gathers and reductions: module docstring
+    options = {"mp_policy": MixedPrecisionPolicy()}  # fp32 gathers, reductions: docstring
+    if "shard_placement_fn" in inspect.signature(fully_shard).parameters:
+        ranks = mesh.size()
+        options["shard_placement_fn"] = lambda param: Shard(shard_dim(param.shape, ranks))
     with keep_annotations(model):
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy,
-                        reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        **options)
         # The root's own parameters stay gathered from forward to backward (FSDP2's choice
         # for a root: its backward starts right after its forward).
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, **options)
     model.blocks_reshard_after_forward = reshard_after_forward  # for `gathered`
     group = mesh.get_group()
     if sums_when_asked_to_average(group):  # the module docstring says which PyTorch
@@ -93,6 +99,18 @@ def sums_when_asked_to_average(group: dist.ProcessGroup) -> bool:
     dist.reduce_scatter_tensor(out, torch.ones(dist.get_world_size(group)),
                                op=dist.ReduceOp.AVG, group=group)
     return out.item() > 1.5  # the mean of ones is 1, their sum the group's size
+
+
+def shard_dim(shape: torch.Size | tuple[int, ...], ranks: int) -> int:
+    """The dim FSDP splits a parameter of `shape` along over `ranks` ranks: the one that
+    leaves the least padding (the first of equals). FSDP pads every rank's slice to the
+    first one's size: split along a dim shorter than `ranks`, each rank holds (and gathers)
+    a slice of the first one's size. `pos_embed` (1, N, D) and the AFNO's spectral weights
+    (2, blocks, ...) split along dim 0 would cost dp times their bytes on every rank."""
+    numel = math.prod(shape)
+    if numel == 0 or len(shape) == 0:
+        return 0
+    return min(range(len(shape)), key=lambda d: (-(-shape[d] // ranks) * (numel // shape[d]), d))
 
 
 @contextlib.contextmanager

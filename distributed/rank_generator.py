@@ -76,6 +76,22 @@ class RankGenerator:
             groups.setdefault(key, []).append(r)
         return sorted(groups.values())
 
+    def partitions(self) -> list[tuple[tuple[str, ...], list[list[int]]]]:
+        """The process groups a job of this layout makes, each set once: every distinct way
+        the groups of `GROUPS` split the world, with the names that share it ("tp", "tp-cp"
+        and "mp" are one partition while cp, h and w are 1), leaving out the groups of one
+        rank (nothing crosses them; each group made costs a world-wide step on NCCL).
+
+            RankGenerator({"tp": 2, "dp": 2}).partitions()
+            == [(("tp", "tp-cp", "mp"), [[0, 1], [2, 3]]), (("dp",), [[0, 2], [1, 3]])]
+        """
+        found: dict[tuple[tuple[int, ...], ...], list[str]] = {}
+        for name in GROUPS:
+            if self.group_size(name) > 1:
+                groups = tuple(tuple(g) for g in self.get_ranks(name))
+                found.setdefault(groups, []).append(name)
+        return [(tuple(names), [list(g) for g in groups]) for groups, names in found.items()]
+
     def group_of(self, name: str, rank: int) -> list[int]:
         """The members of `rank`'s group along `name`."""
         for ranks in self.get_ranks(name):

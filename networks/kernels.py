@@ -3,7 +3,7 @@ the serial ViT and the tensor/context-parallel attention call the same `attentio
 `train.py` and `train_mp.py` compute alike.
 
 `as_on("cuda")` makes them choose as on a GPU whatever device their tensors are on: the
-memory planner (training/memory_plan.py) traces a GPU's step on fake CPU tensors.
+memory planner (planning/memory.py) traces a GPU's step on fake CPU tensors.
 """
 
 from __future__ import annotations

@@ -397,7 +397,8 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
         sync_shared_gradients(model)
         if step == 0:
             mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=comm.get_group("dp"))
+            if comm.get_size("dp") > 1:
+                dist.all_reduce(mean_loss, group=comm.get_group("dp"))
             assert_close_rel(mean_loss / comm.get_size("dp"), loss_serial.detach(),
                              f"{layout} loss", rtol)
             grads = gather_full_grads(model)
@@ -413,6 +414,8 @@ def assert_trains_like_serial(serial: torch.nn.Module, model: torch.nn.Module,
         mine = p.detach()
         mine = mine.to_local() if hasattr(mine, "to_local") else mine  # FSDP: this rank's slice
         for group_name in getattr(p, "is_shared_mp", ()):
+            if comm.get_size(group_name) == 1:
+                continue
             copies = [torch.empty_like(mine) for _ in range(comm.get_size(group_name))]
             dist.all_gather(copies, mine, group=comm.get_group(group_name))
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} over {group_name}"

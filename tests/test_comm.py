@@ -91,6 +91,10 @@ def _check_layouts(layouts: list[tuple[int, int, str]]) -> None:
             expected = gen.group_of(name, rank)
             assert comm.get_size(name) == len(expected) == gen.group_size(name)
             assert comm.get_rank(name) == expected.index(rank)
+            if len(expected) == 1:  # no process group of one rank (None would be the world)
+                with pytest.raises(ValueError, match=f"group '{name}' has one rank"):
+                    comm.get_group(name)
+                continue
             # the real group's members, in group-rank order, are the documented ranks
             members = [torch.zeros(1, dtype=torch.int64) for _ in expected]
             dist.all_gather(members, torch.tensor([rank]), group=comm.get_group(name))
@@ -174,3 +178,17 @@ def test_spatial_mesh_groups() -> None:
     assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="order"):
         RankGenerator({"h": 2}, "tp-cp-dp")  # h has size 2 but is not placed
+
+
+def test_start_up_makes_each_partition_of_the_world_once_and_no_group_of_one_rank() -> None:
+    # tp 4 x dp 256 (1,024 ranks): "tp-cp" and "mp" are the tp groups, cp, h and w have one
+    # rank each: two partitions, each made at once (on NCCL one communicator split each)
+    parts = RankGenerator({"tp": 4, "dp": 256}).partitions()
+    assert [names for names, _ in parts] == [("tp", "tp-cp", "mp"), ("dp",)]
+    assert [(len(groups), len(groups[0])) for _, groups in parts] == [(256, 4), (4, 256)]
+    gen = RankGenerator({"h": 2, "w": 2, "dp": 2})
+    assert {names: groups for names, groups in gen.partitions()} == {
+        ("h",): gen.get_ranks("h"), ("w",): gen.get_ranks("w"), ("dp",): gen.get_ranks("dp"),
+        ("h-w", "mp"): gen.get_ranks("mp")}
+    assert RankGenerator({"dp": 8}).partitions() == [(("dp",), [list(range(8))])]
+    assert RankGenerator({"dp": 1}).partitions() == []

@@ -6,7 +6,8 @@ train_mp.py build (`training.run.wrap_model`, the layout's own layers and loss):
   - FSDP over dp 2 alone, and with tp 2, cp 2 (ViT) or h 2 (AFNO) on 4 ranks, trains like
     the serial model: loss, every gathered gradient, every parameter after 3 Adam steps
     (the tolerances of tests/test_model_parallel_vit.py); every parameter, its gradient and
-    Adam's moments hold 1/dp of the rank's tensor;
+    Adam's moments hold 1/dp of the rank's tensor, split along the dim that leaves the
+    least padding (`pos_embed`, (1, N, D), not along its dim of one);
   - the checkpoint mapping (`Layout.full_tensor` / `local_tensor`) gives the serial tensors
     and cuts them back into this rank's FSDP slices, bit for bit;
   - validation with a different number of batches on each dp rank (`Layout.evaluating`)
@@ -24,6 +25,7 @@ from sharded import scatter_image
 from torch.distributed.tensor import DTensor
 
 from distributed import comm
+from distributed.fsdp import shard_dim
 from networks import build_model
 from networks.loss import l2_loss
 from training.run import build_optimizer, wrap_model
@@ -40,7 +42,9 @@ LAYOUTS = {"dp2": ("vit", {}, 2), "dp2xtp2": ("vit", {"tp": 2}, 4),
            # each block's gathered parameters kept from its forward to its backward
            "dp2xtp2-no-reshard": ("vit", {"tp": 2, "no_reshard_after_forward": True}, 4),
            # FSDP's gathers inside the recompute of a context-parallel block
-           "dp2xcp2-recompute": ("vit", {"cp": 2, "activation_checkpointing": "blocks"}, 4)}
+           "dp2xcp2-recompute": ("vit", {"cp": 2, "activation_checkpointing": "blocks"}, 4),
+           # the spectral weights (2, blocks, ...) split along a dim after their first
+           "dp4-afno": ("afno", {}, 4)}
 
 
 def _config(model: str, sizes: dict[str, int], **more) -> Config:
@@ -78,9 +82,15 @@ def _trains_like_serial(name: str) -> None:
     serial = build_model(cfg.replace(fsdp=False, tp=1, cp=1, h_parallel_size=1))
     model = wrap_model(build_model(cfg, layers=layout.layers), cfg, layout)
     whole = {n: p.shape for n, p in build_model(cfg, layers=layout.layers).named_parameters()}
-    for n, p in model.named_parameters():  # 1/dp of this rank's tensor (dim 0, rounded up)
+    dp = comm.get_size("dp")
+    for n, p in model.named_parameters():  # 1/dp of this rank's tensor, rounded up
         assert isinstance(p, DTensor) and p.shape == whole[n], n
-        assert p.to_local().shape[0] <= -(-whole[n][0] // comm.get_size("dp")), n
+        d = p.placements[0].dim  # fsdp.shard_dim: the dim with the least padding
+        assert d == shard_dim(whole[n], dp) and p.to_local().shape[d] <= -(-whole[n][d] // dp)
+    # pos_embed (1, N, D) is split along N or D, not along its dim of one: no rank holds
+    # it whole (as each would, padded, with dim 0)
+    assert model.pos_embed.placements[0].dim > 0 and \
+        model.pos_embed.to_local().numel() * dp <= 2 * model.pos_embed.numel()
     assert_trains_like_serial(
         serial, model, [_batch(cfg, s) for s in range(STEPS)],
         lambda m, x, y: l2_loss(m(x), y),

@@ -1,4 +1,4 @@
-"""The memory planner (bench/memory_plan.py, training/memory_plan.py) against real runs.
+"""The memory planner (bench/memory_plan.py, planning/memory.py) against real runs.
 
   - On 4 CPU ranks (gloo, torchrun), bench.bench_memory runs every layout the planner lists
     for a small ViT (dp, tp, cp and their products; DDP and FSDP; recompute or not) and a

@@ -124,7 +124,7 @@ def test_tp2_log_shows_the_layout_parameters_per_rank_and_memory(tp2, tiny_param
     step2 = logged_gb(tp2, r"Memory of step 2 \(its own peak, reset once warm\):")
     peak = logged_gb(tp2, rf"Finished {ITERS} iterations; peak memory")
     assert 0 < setup <= peak and 0 < step2 <= peak  # CPU: the resident set's peaks
-    # beside it, the memory planner's estimate of this rank's tensors (training/memory_plan),
+    # beside it, the memory planner's estimate of this rank's tensors (planning/memory.py),
     # traced in the run's own precision, for the eager step
     assert 0 < logged_gb(tp2, r"resident set; planner's estimate of the tensors") < step2
     assert re.search(r"planner's estimate of the tensors [\d.]+ GB \(eager step, (fp32|bf16);",

@@ -1,4 +1,4 @@
-"""Memory: the planner (training/memory_plan.py) against what the device allocates, reserves
+"""Memory: the planner (planning/memory.py) against what the device allocates, reserves
 and uses, for a config at tp 1 and the largest local batch the device holds, and the
 measured parts of the planner's allowance for what no tensor shows.
 
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from planning import memory as planner
+from planning.memory import GIB
 from tools.gpu_check import harness
 from tools.gpu_check.report import Line, Outcome
-from training import memory_plan
-from training.memory_plan import GIB
 from utils.config import read_config
 
 MAX_BATCH = 64      # the largest local batch tried: time, not memory, bounds it beyond
@@ -45,9 +45,9 @@ def config_at(name: str, expdir: str, **keys: Any) -> Any:
     return cfg.replace(tp=1, cp=1, enable_jit=False, fsdp=False, expdir=expdir, **keys)
 
 
-def planned(cfg: Any, device: torch.device, batch: int) -> memory_plan.Estimate:
+def planned(cfg: Any, device: torch.device, batch: int) -> planner.Estimate:
     layout = harness.layout_of(cfg, device)
-    return memory_plan.trace_layout(cfg, layout, batch, device.type)
+    return planner.trace_layout(cfg, layout, batch, device.type)
 
 
 def largest_batch(cfg: Any, device: torch.device, memory_gib: float) -> tuple[int, float]:
@@ -59,7 +59,7 @@ def largest_batch(cfg: Any, device: torch.device, memory_gib: float) -> tuple[in
     batch = 1
     for b in range(MAX_BATCH, 0, -1):
         tensors = one + (b - 1) * per_sample
-        if tensors + memory_plan.allowance_gib(tensors) <= room:
+        if tensors + planner.allowance_gib(tensors) <= room:
             batch = b
             break
     return batch, one + (batch - 1) * per_sample
@@ -144,13 +144,13 @@ def planner_against_device(name: str, device: torch.device, work: str,
     if device.type != "cuda":
         return Outcome(abs(data["tensors_error"]) <= 0.15, number + " (CPU: tensors only)",
                        data=data)
-    with_slack = tensors * (1 + memory_plan.FRAGMENTATION)
+    with_slack = tensors * (1 + planner.FRAGMENTATION)
     data.update(planned_with_slack_gib=with_slack,
                 reserved_error=with_slack / measured["reserved"] - 1,
                 slack_gib=measured["reserved"] - measured["allocated"],
                 slack_fraction=measured["reserved"] / measured["allocated"] - 1,
                 outside_allocator_gib=measured["used"] - measured["reserved_now"],
-                planned_peak_gib=tensors + memory_plan.allowance_gib(tensors))
+                planned_peak_gib=tensors + planner.allowance_gib(tensors))
     ok = abs(data["reserved_error"]) <= TARGET
     number += (f"; reserved {measured['reserved']:.2f} vs planned {with_slack:.2f} "
                f"({data['reserved_error']:+.0%}); used {measured['used']:.2f} vs planned "
@@ -163,9 +163,9 @@ def calibration(lines: list[Line]) -> list[str]:
     """Markdown: the allowance's parts as measured here against the planner's values."""
     rows = [line.data for line in lines if line.section == "memory" and "slack_fraction"
             in line.data]
-    out = [f"The planner's allowance today: CONTEXT_GIB = {memory_plan.CONTEXT_GIB} GiB and "
-           f"FRAGMENTATION = {memory_plan.FRAGMENTATION:.0%} of the tensors "
-           f"(`training/memory_plan.py`; {memory_plan.ALLOWANCE_SOURCE})."]
+    out = [f"The planner's allowance today: CONTEXT_GIB = {planner.CONTEXT_GIB} GiB and "
+           f"FRAGMENTATION = {planner.FRAGMENTATION:.0%} of the tensors "
+           f"(`planning/memory.py`; {planner.ALLOWANCE_SOURCE})."]
     if not rows:
         return [*out, "Not measured here: it needs a GPU."]
     out += ["", "| config | batch | allocated | reserved | slack (reserved - allocated) "

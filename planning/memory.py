@@ -17,7 +17,7 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
     backward, model-parallel gradient reduction, optimizer) mark its phases, and the
     tracker keeps the peak of each;
   - collectives on fake tensors move nothing: one rank traces alone, on the process groups
-    of a running job or on a fake world of any size (bench/memory_plan.py); traced as on
+    of a running job or on a fake world of any size (planning/fake_world.py); traced as on
     a CPU, gloo's all-gather and reduce-scatter add the temporary they copy through;
   - every block holds the same shapes, so in each phase every part is an affine function
     of the depth: a deep model is traced at depths 3 and 4 and each phase's peak
@@ -304,8 +304,8 @@ def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: st
     estimate of the tensors' peak, traced in the run's precision `amp_mode`. Only the logging
     rank traces (seconds); an estimate that cannot be traced says why in the line and never
     stops the run. Not under FSDP: its trace on the job's own dp group leaves FSDP state
-    that keeps the group alive past comm.shutdown() (bench/memory_plan.py traces FSDP on a
-    fake world instead)."""
+    that keeps the group alive past comm.shutdown() (`python -m bench.memory_plan` traces FSDP
+    on a fake world instead)."""
     parts = ", ".join(f"{gb:.2f} GB {what}" for what, gb in measured.items())
     line = f"Memory of step {step} (its own peak, reset once warm): {parts}"
     if comm.get_world_rank() != 0:
@@ -319,4 +319,4 @@ def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: st
     how = f"eager step, {'fp32' if amp_mode == 'none' else amp_mode}"
     how += "; this run compiles" if cfg.enable_jit else ""
     return (f"{line}; planner's estimate of the tensors {estimate.peak / GIB:.3g} GB "
-            f"({how}; training/memory_plan.py)")
+            f"({how}; planning/memory.py)")

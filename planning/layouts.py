@@ -1,0 +1,163 @@
+"""The layouts a config can run in on N GPUs, what each holds per rank, and which to choose.
+
+    for layout in layouts(cfg, gpus=16): ...           # every split the schema accepts
+    rows = plan_all(cfg, 16, gpu_memory_gb=40, gpus_per_node=4, device_type="cuda")
+
+A layout: tp x cp for the ViT, h x w for the AFNO, dp what is left and dividing the global
+batch; DDP, or FSDP when dp > 1; activation checkpointing none or blocks. Its row: one
+rank's peak memory from the planner's trace (planning/memory.py) split into
+parameters, gradients, optimizer state, activations and communication buffers, plus on a
+GPU the stated allowance for what no tensor shows (planning/memory.py: one place, and how
+it is calibrated); `fits` when the peak is within the GPU's
+memory. The fastest layout that fits, by this rule, in order (`fastest_key`):
+  1. the model-parallel ranks of a replica within one node (--gpus_per_node): tp, cp and
+     the mesh exchange activations inside every block, fast only over NVLink;
+  2. no activation checkpointing: recomputing the blocks costs a forward pass more per
+     step (docs/memory.md has the measured cost);
+  3. fewer model-parallel ranks: each split adds collectives to every block and makes the
+     matmuls smaller;
+  4. DDP before FSDP: FSDP gathers the parameters once more per step (1.5 times DDP's
+     traffic) and its gathers wait in front of the blocks;
+  5. the smaller peak.
+The time model (planning/time_model.py, `python -m bench.dry_run --layouts all`) ranks the
+layouts that fit by their predicted samples/s instead.
+GB in the rows are GiB (2^30 bytes), as torch.cuda reports them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, get_args
+
+import torch
+
+from distributed import comm
+from distributed.layout import Layout as RankLayout
+from planning.fake_world import fake_world
+from planning.memory import GIB, Estimate, allowance_gib, trace_layout
+from training.setup import batch_sizes
+from utils.config_schema import Config
+from utils.errors import ConfigError
+from utils.parallel_axes import AXES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the config: the axes' sizes, how dp holds the model, recompute."""
+
+    dp: int
+    tp: int = 1
+    cp: int = 1
+    h: int = 1
+    w: int = 1
+    fsdp: bool = False
+    activation_checkpointing: str = "none"
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.cp * self.h * self.w
+
+    def flags(self) -> dict[str, Any]:
+        """The config keys that run this layout."""
+        return {"tp": self.tp, "cp": self.cp, "h_parallel_size": self.h,
+                "w_parallel_size": self.w, "fsdp": self.fsdp,
+                "activation_checkpointing": self.activation_checkpointing}
+
+    @classmethod
+    def of(cls, cfg: Config, gpus: int) -> Layout:
+        """The layout `cfg` runs in on `gpus` ranks."""
+        mp = cfg.tp * cfg.cp * cfg.h_parallel_size * cfg.w_parallel_size
+        return cls(gpus // mp, cfg.tp, cfg.cp, cfg.h_parallel_size, cfg.w_parallel_size,
+                   cfg.fsdp, cfg.activation_checkpointing)
+
+    def label(self) -> str:
+        split = " x ".join(f"{a} {n}" for a, n in (("tp", self.tp), ("cp", self.cp),
+                                                   ("h", self.h), ("w", self.w)) if n > 1)
+        return (f"dp {self.dp}{' FSDP' if self.fsdp else ''}"
+                f"{' x ' + split if split else ''}"
+                f"{', recompute' if self.activation_checkpointing != 'none' else ''}")
+
+
+def recompute_choices() -> tuple[str, ...]:
+    """The values of the schema's `activation_checkpointing`."""
+    annotation = Config.model_fields["activation_checkpointing"].annotation
+    choices = get_args(annotation)
+    return choices if choices and isinstance(choices[0], str) else get_args(choices[0])
+
+
+def layouts(cfg: Config, gpus: int) -> list[Layout]:
+    """Every layout `cfg` can run in on `gpus` ranks: splits the schema accepts (it checks
+    the sizes against the model), dp dividing the global batch, FSDP when dp > 1."""
+    axes = [a for a in AXES if a.key is not None]
+    divisors = [n for n in range(1, gpus + 1) if gpus % n == 0]
+    found = []
+    for sizes in itertools.product(divisors, repeat=len(axes)):
+        if gpus % math.prod(sizes):
+            continue
+        dp = gpus // math.prod(sizes)
+        try:
+            cfg.replace(**{a.key: n for a, n in zip(axes, sizes, strict=True)})
+        except ConfigError:
+            continue  # the schema refuses this split for this model
+        if cfg.local_batch_size is None and cfg.global_batch_size % dp:
+            continue
+        named = dict(zip((a.name for a in axes), sizes, strict=True))
+        for fsdp in (False, True) if dp > 1 else (False,):
+            for ac in recompute_choices():
+                found.append(Layout(dp, fsdp=fsdp, activation_checkpointing=ac, **named))
+    return sorted(found, key=lambda lay: (lay.model_parallel, lay.tp, lay.cp, lay.h, lay.w,
+                                          lay.fsdp, lay.activation_checkpointing))
+
+
+def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str
+               ) -> dict[str, Any]:
+    """This rank's estimate (its process groups exist) as a row of GB: every part, the
+    allowance (on a GPU), the peak, after the first forward, the first step's peak."""
+    estimate: Estimate = trace_layout(cfg, rank, local_batch, device_type)
+    tensors = estimate.peak / GIB
+    allowance = allowance_gib(tensors) if device_type == "cuda" else 0.0
+    return {**{f"{part}_gb": nbytes / GIB for part, nbytes in estimate.parts.items()},
+            "allowance_gb": allowance, "tensor_peak_gb": tensors,
+            "peak_gb": tensors + allowance, "after_forward_gb": estimate.after_forward / GIB,
+            "first_step_gb": estimate.first_step / GIB, "peak_phase": estimate.phase}
+
+
+def plan(cfg: Config, layout: Layout, device_type: str) -> dict[str, Any]:
+    """One layout's row, traced as rank 0 of the fake world this process is in."""
+    run_cfg = cfg.replace(**layout.flags())
+    comm.init(run_cfg.parallel_order, tp=layout.tp, cp=layout.cp, h=layout.h, w=layout.w)
+    rank = RankLayout.of_groups(run_cfg, None, torch.device("cpu"))
+    local_batch, _ = batch_sizes(run_cfg, layout.dp)
+    return {**asdict(layout), "amp_mode": cfg.amp_mode, "local_batch": local_batch,
+            **memory_row(run_cfg, rank, local_batch, device_type)}
+
+
+def fastest_key(row: dict[str, Any], gpus_per_node: int) -> tuple:
+    """The module docstring's rule, as a sort key (smallest first)."""
+    model_parallel = row["tp"] * row["cp"] * row["h"] * row["w"]
+    return (model_parallel > gpus_per_node, row["activation_checkpointing"] != "none",
+            model_parallel, row["fsdp"], row["peak_gb"])
+
+
+def plan_all(cfg: Config, gpus: int, gpu_memory_gb: float, gpus_per_node: int,
+             device_type: str) -> list[dict[str, Any]]:
+    """Every layout's row (`plan`) on a fake world of `gpus` ranks, with `fits` and, on
+    the fastest that fits, `fastest`."""
+    with fake_world(gpus):
+        rows = [plan(cfg, layout, device_type) for layout in layouts(cfg, gpus)]
+    for row in rows:
+        row["fits"] = row["peak_gb"] <= gpu_memory_gb
+        row["fastest"] = False
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        min(fitting, key=lambda r: fastest_key(r, gpus_per_node))["fastest"] = True
+    return rows
+
+
+def model_summary(cfg: Config) -> str:
+    """The config's model in a few words, for a table's title line."""
+    h, w = cfg.img_size
+    return (f"{cfg.model}, {h}x{w}, patch {cfg.patch_size}, embed {cfg.embed_dim}, "
+            f"depth {cfg.depth}")
