@@ -105,7 +105,8 @@ def fsdp_one_rank(cfg: Config, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.seed)
     model = networks.build_model(cfg).to(device)
     model = compiling.compile_blocks(model, cfg, fsdp=True)
-    return fsdp.shard_model(model, fsdp.mesh_of(comm.get_group("dp"), device))
+    # comm makes no group of one rank: this one-process world is the one-rank dp group
+    return fsdp.shard_model(model, fsdp.mesh_of(dist.group.WORLD, device))
 
 
 def batches(cfg: Config, device: torch.device, n: int, seed: int = 1
