@@ -65,7 +65,7 @@ CASES = {
     "seed_flag_negative": (TINY, ["--seed", "-1"],
                            ["--seed -1", "expected int in [0, 4294967295]"]),
     "parallel_order_flag_unknown": (TINY, ["--parallel_order", "foo"],
-                                    ["--parallel_order foo", "axes from tp, cp, h, w, dp"]),
+                                    ["--parallel_order foo", "axes from tp, cp, h, w, ens, dp"]),
     "duplicate_key_under_a_merge_key": (TINY + "  lr: 1.0e-3\n  lr: 2.0e-3", [],
                                         ["duplicate key 'lr'", "{file}:", "first at line"]),
     "lr_schedule_key_misspelled": (TINY + "  lr_shedule: constant", [],
