@@ -56,11 +56,11 @@ def main() -> None:
         grad.view(-1)[0] = float("inf")
         return grad
 
-    def forward_backward(run, inp, tar):  # noqa: ANN001, ANN202
+    def forward_backward(run, inp, tar, noise=None):  # noqa: ANN001, ANN202
         p = faulty_param(run) if in_backward else None
         hook = p.register_hook(inf_first) if p is not None else None
         try:
-            return inner_backward(run, inp, tar)
+            return inner_backward(run, inp, tar, noise)
         finally:
             if hook is not None:
                 hook.remove()
