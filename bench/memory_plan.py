@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nothing fits {args.gpu_memory_gb:g} GB: more GPUs (a smaller local batch, "
               "more ranks to shard over) or a smaller model")
     else:
-        picked = Layout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "fsdp",
+        picked = Layout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                                 "activation_checkpointing")})
         print(f"fastest that fits (rule: planning/layouts.py): {picked.label()}, "
               f"peak {best['peak_gb']:.1f} GB")
