@@ -191,5 +191,10 @@ def test_start_up_makes_each_partition_of_the_world_once_and_no_group_of_one_ran
     assert {names: groups for names, groups in gen.partitions()} == {
         ("h",): gen.get_ranks("h"), ("w",): gen.get_ranks("w"), ("dp",): gen.get_ranks("dp"),
         ("h-w", "mp", "mp-ens"): gen.get_ranks("mp")}
+    # an ensemble's members over ens: "ens" its own partition, "mp-ens" the tp and ens ranks
+    gen = RankGenerator({"tp": 2, "ens": 2, "dp": 2}, "tp-ens-dp")
+    assert [names for names, _ in gen.partitions()] == [("tp", "tp-cp", "mp"), ("ens",),
+                                                        ("dp",), ("mp-ens",)]
+    assert gen.get_ranks("mp-ens") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert RankGenerator({"dp": 8}).partitions() == [(("dp",), [list(range(8))])]
     assert RankGenerator({"dp": 1}).partitions() == []

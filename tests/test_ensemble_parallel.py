@@ -16,7 +16,8 @@ tests compare (tests/test_model_parallel_vit.py, tests/test_fsdp.py):
 Layouts: ens 2 (2 ranks), ens 4, dp 2 x ens 2, dp 2 x ens 2 under FSDP, tp 2 x ens 2,
 cp 2 x ens 2 on a 2-step rollout loss, and the AFNO on h 2 x ens 2 (4 ranks, one launch).
 On ens 4, validation's ensemble mean and spread (summed over ens, evaluation/scores.py)
-equal the serial ones too.
+equal the serial ones too; on tp 2 x ens 2, an fp16 overflow in one ens rank's gradient is
+skipped by every rank with one loss scale (the verdict agreed over "mp-ens").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import CONFIG_FILE, assert_close_rel, run_distributed
 
 from distributed import comm
@@ -133,6 +135,40 @@ def _members(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         return mean, ensemble_variance(mine, mean, members.size)
 
 
+def _overflow_is_skipped_by_every_rank(cfg: Config) -> None:
+    """fp16 loss scaling: an inf in one ens rank's gradient (before the sum over ens) makes
+    every rank that shares the loss skip the step and halve the scale alike."""
+    layout = Layout.of_groups(cfg, None, torch.device("cpu"))
+    model = wrap_model(_trained_noise(build_model(cfg, layers=layout.layers)), cfg, layout)
+    run = SimpleNamespace(
+        model=model, optimizer=build_optimizer(cfg, model), layout=layout,
+        loss=run_loss(cfg, layout, torch.ones(layout.tile.shape[0])),
+        members=layout.members(cfg), progress=SimpleNamespace(),
+        ctx=SimpleNamespace(precision=Precision("none", "cpu")),  # the scaler is fp16's
+        scaler=layout.grad_scaler(Precision("fp16", "cpu")),
+        prof=SimpleNamespace(range=lambda name: contextlib.nullcontext()))
+    assert dist.get_process_group_ranks(run.scaler.group) == \
+        dist.get_process_group_ranks(comm.get_group("mp-ens"))
+    first = next(p for p in model.parameters())
+    if comm.get_rank("ens") == 1:
+        first.register_hook(lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool),
+                                                    float("inf")) if run.progress.iters == 1
+                            else g)
+    moved = []
+    for it, (x, y) in enumerate(_batches(cfg)):
+        x, y = _mine(layout, x), _mine(layout, y)
+        run.progress.iters = it
+        before = [p.detach().clone() for p in model.parameters()]
+        forward_backward(run, x, y, member_noise(run, x, y))
+        optimizer_step(run)
+        moved.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(),
+                                                                strict=True)))
+    assert moved == [True, False, True], moved  # the faulty step skipped, the others taken
+    scales = [torch.zeros(1) for _ in range(comm.get_world_size())]
+    dist.all_gather(scales, run.scaler.get_scale() * torch.ones(1))
+    assert len({s.item() for s in scales}) == 1, scales
+
+
 def _compare(name: str, got: dict, want: dict) -> None:
     assert_close_rel(got["losses"], want["losses"], f"{name} losses", RTOL)
     for n, g in want["grads"].items():
@@ -153,6 +189,8 @@ def _layouts(names: list[str], references: dict[str, dict],
             for got, want, what in zip(_members(cfg), validation, ("mean", "variance"),
                                        strict=True):
                 assert_close_rel(got, want, f"validation's ensemble {what}", RTOL)
+        if name == "tp2xens2":  # fp16's verdict over "mp-ens": the tp and ens ranks
+            _overflow_is_skipped_by_every_rank(cfg)
 
 
 def _references(names: list[str]) -> dict[str, dict]:
