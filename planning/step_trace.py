@@ -20,8 +20,9 @@ What a fake step cannot run is written down from what it shows:
     each as soon as its last gradient is: `ddp_buckets` asks PyTorch's own bucketing for
     that order and bucket cap, and each bucket's all-reduce is placed where its last
     gradient was accumulated (tests/test_dry_run.py compares them with a real DDP job);
-  - under fp16, the loss scaler's overflow verdict agreed over the ranks that hold parts of
-    a model (distributed/loss_scaling.py): one 4-byte all-reduce per step.
+  - under fp16, the loss scaler's overflow verdict agreed over the ranks that share a loss
+    (a model's shards, an ensemble's members: `Layout.overflow_group`;
+    distributed/loss_scaling.py): one 4-byte all-reduce per step.
 """
 
 from __future__ import annotations
