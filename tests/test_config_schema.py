@@ -117,7 +117,7 @@ CASES = {
                            "score", "use loss crps"]),
     "parallel_order_leaves_out_ens": (TINY + "  loss: crps", ["--ensemble_parallel_size", "2"],
                                       ["parallel_order 'tp-cp-dp' leaves out ens",
-                                       "ensemble_parallel_size > 1"]),
+                                       "ensemble_parallel_size > 1", "e.g. 'tp-cp-ens-dp'"]),
 }
 
 

@@ -285,11 +285,14 @@ def _check_splits(c: Config) -> None:
         # the spectrum's channels are split over w in whole blocks, at least one per rank
         raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
                          f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
-    missing = [a for a, n in config_sizes(c).items()
-               if n > 1 and a not in parse_axes(c.parallel_order)]
+    order = parse_axes(c.parallel_order)
+    missing = [a for a, n in config_sizes(c).items() if n > 1 and a not in order]
     if missing:
+        dp = order.index("dp")
+        suggested = "-".join(order[:dp] + missing + order[dp:])
         raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
-                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
+                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1): name it "
+                         f"in the config's parallel_order, e.g. '{suggested}'")
 
 
 def _check_channels(c: Config) -> None:
