@@ -303,5 +303,6 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
 def noise_keys(cfg: Config) -> dict[str, int]:
     """The noise conditioning of the config's model: none for a deterministic forecast
     (ensemble_size 1), else `noise_channels` channels embedded `noise_embed_dim` wide."""
-    channels = cfg.noise_channels if cfg.ensemble_size > 1 else 0
-    return {"noise_channels": channels, "noise_embed_dim": cfg.noise_embed_dim}
+    if cfg.ensemble_size == 1:
+        return {"noise_channels": 0}
+    return {"noise_channels": cfg.noise_channels, "noise_embed_dim": cfg.noise_embed_dim}
