@@ -141,12 +141,14 @@ def _write_zarr(path: Path, ds, chunk_time: int) -> Path:
 def wb2_zarr(path: Path, years: list[int], rows: int = 7, cols: int = 12,
              step_hours: int = 6, days: int | None = None, coarse: bool = False,
              skip: tuple[str, ...] = (), drop_times: int = 0, chunk_time: int = 24,
-             humidity: str = "fraction") -> Path:
+             humidity: str = "fraction", with_q: bool = False) -> Path:
     """A WeatherBench-2 style store (module docstring); `coarse` gives the layout of its
     coarse equiangular grids (ascending without poles, longitude before latitude); `skip`
     leaves channels out (a single-level variable, or a level of a pressure-level one),
-    `drop_times` removes that many times from the middle (a gap). The public stores chunk
-    one time per chunk; `chunk_time` times per chunk keep the tests' small stores quick."""
+    `drop_times` removes that many times from the middle (a gap); `with_q` adds
+    `specific_humidity`, such that ECMWF's relative humidity of it is the known one (the
+    store's `relative_humidity` holds the known values too). The public stores chunk one
+    time per chunk; `chunk_time` times per chunk keep the tests' small stores quick."""
     import xarray as xr
 
     lat, lon = grid(rows, cols, ascending=coarse, poles=not coarse)
@@ -156,6 +158,9 @@ def wb2_zarr(path: Path, years: list[int], rows: int = 7, cols: int = 12,
         when = np.delete(when, np.arange(mid, mid + drop_times))
     single, pressure, levels = _variables(when, lat, lon, False, humidity, skip,
                                           levels=(100, 700, 925))
+    if with_q:
+        q = _variables(when, lat, lon, False, "specific", skip, levels=(100, 700, 925))[1]
+        pressure["specific_humidity"] = q["specific_humidity"]
     hours = (when - EPOCH).astype(np.int64)
     extra = {  # variables no channel needs, with and without a time axis
         "total_precipitation_6hr": (("time", "latitude", "longitude"),
