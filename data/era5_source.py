@@ -27,15 +27,19 @@ one-line DataError naming it; so are a coordinate with a missing value and varia
 different grids), `select_year` checks that every 6-hourly time of a year is there, and
 `read` refuses a NaN or infinity with a line naming the variable, level and time. A batch
 reads each variable's chunks once for all its levels, and the variables in parallel threads
-(`read_threads`: sized for a store's latency, not for the cores). Fields come out with rows
-from north to south and columns from 0 degrees east, as float32 in the channels' units
-(data/era5_names.py).
+(`read_threads`: sized for a store's latency, not for the cores), as many at once as
+READ_BYTES of chunks allows (at 0.25 degrees a variable's batch of chunks is ~0.9 GB).
+Fields come out with rows from north to south and columns from 0 degrees east, as float32
+in the channels' units (data/era5_names.py).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +52,9 @@ from data.source_files import EPOCH, HOUR, Opened, coordinate, open_source
 from utils.errors import DataError
 
 READ_THREADS = 16  # requests in flight: a remote store's latency hides behind the others
+# Bytes of chunks in flight at most (a request larger than this runs alone): at 0.25 degrees
+# a batch of 8 times of a pressure-level variable decodes 8 chunks of 54 MB.
+READ_BYTES = 2**30
 HUMIDITY = "relative_humidity"
 DERIVE_FROM = (("specific_humidity", "q"), ("temperature", "t"))
 # The definition of relative humidity a source's own variable holds, by its name (a store
@@ -66,6 +73,18 @@ class Piece:
     @property
     def where(self) -> str:
         return self.opened.where
+
+    def read_bytes(self, times: int) -> int:
+        """Bytes a read of `times` times holds while it runs: the chunks it decodes (a
+        chunk holds every level of a variable; compressed and decoded) and the selection."""
+        array = self.array
+        per_time = array.nbytes // max(array.sizes.get("time", 1), 1)
+        shape = array.encoding.get("chunks") or array.encoding.get("chunksizes")
+        if shape and "time" in array.dims and len(shape) == array.ndim:
+            t = array.dims.index("time")
+            chunk = int(np.prod(shape)) * array.dtype.itemsize
+            return max(times, shape[t]) * (chunk // max(shape[t], 1)) * 2 + times * per_time
+        return 2 * times * per_time
 
     def read(self, index: dict[str, Any]) -> np.ndarray:
         """The selection `index` as (time, [level,] latitude, longitude): read in the
@@ -128,6 +147,7 @@ class Source:
         self.channel_sources = [r.describe() for r in self.recipes]
         self._times = np.zeros(0, dtype="datetime64[h]")
         self._pool: ThreadPoolExecutor | None = None  # started by the first read
+        self._budget = Budget(READ_BYTES)
 
     # ------------------------------------------------------------------ opening
     def _field(self, names: tuple[str, str], level: int | None) -> Field | None:
@@ -310,10 +330,15 @@ class Source:
             index: dict[str, Any] = {"time": times}
             if piece.levels is not None:
                 index["level"] = sorted(set(levels))
-            block = piece.read(index)
-            for level, (f, rows) in zip(levels, users, strict=True):
-                out[f][rows] = block if level is None else \
-                    block[:, index["level"].index(level)]
+            n = len(range(times.start, times.stop, times.step or 1)) if isinstance(
+                times, slice) else len(times)
+            cost = piece.read_bytes(n)
+            with self._budget.take(cost):
+                block = piece.read(index)
+                for level, (f, rows) in zip(levels, users, strict=True):
+                    out[f][rows] = block if level is None else \
+                        block[:, index["level"].index(level)]
+                del block
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="read")
@@ -354,6 +379,27 @@ class Recipe:
                     + f" ({formula}; data/humidity.py)")
         return self.inputs[0].label(channels=False) + (
             f" x {self.scale:g}" if self.scale != 1.0 else "")
+
+
+class Budget:
+    """Bytes in flight across threads: `take(n)` waits until n more fit under the limit
+    (or nothing else is in flight), and gives them back when its block ends."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
 
 
 def _selection(index: np.ndarray) -> Any:

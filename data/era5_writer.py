@@ -36,7 +36,7 @@ import numpy as np
 
 from data.climatology import sample_times
 from data.era5_names import CHANNEL_NAMES, CHANNELS
-from data.era5_source import READ_THREADS, Source, year_times
+from data.era5_source import READ_BYTES, READ_THREADS, Source, year_times
 from data.grid import Grid, write_file_grid
 from data.statistics import PartialSums
 from utils.errors import DataError
@@ -213,25 +213,19 @@ def _create_fields(f: h5py.File, plan: Plan, source: Source, split: str, year: i
 
 def memory_per_worker(plan: Plan, source: Source, train: bool = True) -> int:
     """Bytes a process preparing a year holds at its peak, estimated from the source's grid
-    and chunks: the chunks a batch decodes (a chunk holds every level of a variable, often
-    one time), the fields read from them and the batch on the output grid, a training
-    year's statistics sums (data/statistics.py), and the interpreter with its libraries.
-    docs/real_era5.md compares it with the peak measured at 0.25 degrees."""
+    and chunks: the chunks a batch decodes while it reads (at most READ_BYTES at a time, or
+    the largest variable's), the fields read from them and the batch on the output grid, a
+    training year's statistics sums (data/statistics.py), and the interpreter with its
+    libraries. docs/real_era5.md compares it with the peak measured at 0.25 degrees."""
     B = plan.batch_size
     plane = source.grid.shape[0] * source.grid.shape[1] * 4
-    arrays = {id(p.array): p.array for f in source.fields for p, _ in f.pieces[:1]}
-    chunks = 0
-    for array in arrays.values():
-        shape = array.encoding.get("chunks") or array.encoding.get("chunksizes")
-        if shape and "time" in array.dims and len(shape) == array.ndim:
-            t = array.dims.index("time")
-            per_time = int(np.prod(shape)) // max(shape[t], 1) * array.dtype.itemsize
-            chunks += max(B, shape[t]) * per_time
-        else:  # contiguous: only what is selected is read
-            chunks += B * plane * (array.sizes.get("level", 1) if "level" in array.dims else 1)
+    pieces = {id(p.array): p for f in source.fields for p, _ in f.pieces[:1]}
+    reads = [p.read_bytes(B) for p in pieces.values()]
+    chunks = min(sum(reads), max(READ_BYTES, max(reads)))
     H, W = output_grid(plan, source.grid).shape
     C = len(CHANNEL_NAMES)
-    fields = 2 * len(source.fields) * B * plane + C * B * plane + C * B * H * W * 8
+    fields = (len(source.fields) + C) * B * plane + (C * B * H * W * 8 if plan.coarsen > 1
+                                                    else 0)
     sums = PartialSums.nbytes(C, H, W) + 3 * B * H * W * 8 if train else 0
     return int(chunks + fields + sums + BASE_BYTES)
 
