@@ -89,7 +89,7 @@ def describe(name: str, run: dict[str, object]) -> str:
 # ------------------------------------------------------------------ the test data
 def prepared_replica(where: Path) -> Path:
     """A data directory as the preparation writes it at 720 x 1440, its samples unwritten
-    (HDF5 reads them as the fill value 1.0, normalised to 0 by means 1 and stds 1): a
+    (HDF5 reads them as the fill value 1.0; means 0 and stds 1): a
     training, a validation and a test year of 1460 samples, stats/ with a climatology."""
     import h5py
 
@@ -115,7 +115,7 @@ def prepared_replica(where: Path) -> Path:
             write_file_grid(f, grid)
     stats = where / "stats"
     stats.mkdir(exist_ok=True)
-    for name, value in (("global_means", 1.0), ("global_stds", 1.0)):
+    for name, value in (("global_means", 0.0), ("global_stds", 1.0)):
         np.save(stats / f"{name}.npy", np.full((1, C, 1, 1), value, np.float32))
     np.save(stats / "time_means.npy", np.ones((1, C, H, W), np.float32))
     save_climatology(stats, np.zeros((len(TERMS), C + 1, H, W), np.float32),

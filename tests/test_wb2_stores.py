@@ -317,3 +317,34 @@ def test_initial_conditions_at_the_hours_asked_for_and_a_lead_read_alone(
                                           ((360, 720), 8), ((32, 64), 8)])
 def test_the_default_batch_is_chosen_for_the_grid(shape, batch):
     assert batch_for_grid(21, *shape) == batch
+
+
+# ------------------------------------------------------------------ crops and weights
+def wb2_lat_weights(latitude: np.ndarray) -> np.ndarray:
+    """WeatherBench-2's `get_lat_weights` on the latitudes it is given (ascending), written
+    out: cells to the midpoints, the first and last reaching the poles, mean 1."""
+    lat = np.deg2rad(np.sort(latitude))
+    bounds = np.concatenate([[-np.pi / 2], (lat[:-1] + lat[1:]) / 2, [np.pi / 2]])
+    w = np.sin(bounds[1:]) - np.sin(bounds[:-1])
+    return (w / w.mean())[::-1]  # north to south, as the data
+
+
+def test_crops_are_weighted_as_scoring_md_says():
+    """A prepared crop (the grid itself) is weighted as WeatherBench-2 weighs it; an
+    img_size crop keeps the whole grid's cell areas: one row off changes ~nothing, a
+    hemisphere gives WeatherBench-2's edge row half of the weight."""
+    from evaluation.regions import latitude_weights
+
+    lat720 = 90.0 - 0.25 * np.arange(720)
+    lon = 0.25 * np.arange(1440)
+    np.testing.assert_allclose(latitude_weights(Grid(lat720, lon)), wb2_lat_weights(lat720),
+                               rtol=1e-12)  # --crop_rows 720: the grid itself
+    one_row = Grid(np.append(lat720, -90.0), lon).crop(720, 1440)
+    ours, theirs = latitude_weights(one_row), wb2_lat_weights(lat720)
+    assert ours[-1] == pytest.approx(0.00685, rel=1e-3)
+    assert theirs[-1] == pytest.approx(0.00771, rel=1e-3)
+    np.testing.assert_allclose(ours[:-1], theirs[:-1], rtol=2e-6)
+    half = Grid(lat720, lon).crop(360, 1440)
+    ours, theirs = latitude_weights(half), wb2_lat_weights(half.latitude)
+    assert ours[-1] / ours.sum() == pytest.approx(0.00437, rel=1e-2)
+    assert theirs[-1] / theirs.sum() == pytest.approx(0.503, rel=1e-2)
