@@ -74,17 +74,19 @@ class Piece:
     def where(self) -> str:
         return self.opened.where
 
-    def read_bytes(self, times: int) -> int:
-        """Bytes a read of `times` times holds while it runs: the chunks it decodes (a
-        chunk holds every level of a variable; compressed and decoded) and the selection."""
+    def read_bytes(self, times: int, levels: int = 1) -> int:
+        """Bytes a read of `times` times and `levels` levels holds while it runs: the chunks
+        it decodes (a chunk holds every level of a variable; compressed and decoded) and the
+        selection."""
         array = self.array
-        per_time = array.nbytes // max(array.sizes.get("time", 1), 1)
+        plane = array.nbytes // max(array.sizes.get("time", 1) * array.sizes.get("level", 1), 1)
+        selected = times * levels * plane
         shape = array.encoding.get("chunks") or array.encoding.get("chunksizes")
         if shape and "time" in array.dims and len(shape) == array.ndim:
             t = array.dims.index("time")
             chunk = int(np.prod(shape)) * array.dtype.itemsize
-            return max(times, shape[t]) * (chunk // max(shape[t], 1)) * 2 + times * per_time
-        return 2 * times * per_time
+            return max(times, shape[t]) * (chunk // max(shape[t], 1)) * 2 + selected
+        return 2 * selected
 
     def read(self, index: dict[str, Any]) -> np.ndarray:
         """The selection `index` as (time, [level,] latitude, longitude): read in the
@@ -129,6 +131,7 @@ class Source:
             for name in o.dataset.data_vars:
                 self._pieces[str(name)].append(o)
         self._fields: dict[tuple[str, float | None], Field] = {}
+        self._shared: dict[tuple[int, str], Piece] = {}
         self._own_rh = self._own_humidity()
         self.rh_definition = rh_definition or self._own_rh
         self.recipes = [self._recipe(c) for c in CHANNELS]
@@ -185,7 +188,12 @@ class Source:
         hit = np.flatnonzero(np.isclose(levels, level))
         if not len(hit):
             return None
-        return Piece(da, levels, o), int(hit[0])
+        # One Piece per dataset and variable, shared by its levels' fields: a batch then
+        # reads each chunk (every level of a variable) once for all of them.
+        key = (id(o), name)
+        if key not in self._shared:
+            self._shared[key] = Piece(da, levels, o)
+        return self._shared[key], int(hit[0])
 
     def _levels_of(self, names: tuple[str, str]) -> str:
         levels = sorted({float(v) for n in names for o in self._pieces.get(n, [])
@@ -328,16 +336,17 @@ class Source:
         def fetch(request: tuple[Piece, Any, list, list]) -> None:
             piece, times, levels, users = request
             index: dict[str, Any] = {"time": times}
-            if piece.levels is not None:
-                index["level"] = sorted(set(levels))
+            first = 0
+            if piece.levels is not None:  # a run of levels: a basic selection, faster
+                first, last = min(levels), max(levels)
+                index["level"] = slice(first, last + 1)
             n = len(range(times.start, times.stop, times.step or 1)) if isinstance(
                 times, slice) else len(times)
-            cost = piece.read_bytes(n)
+            cost = piece.read_bytes(n, 1 if piece.levels is None else last - first + 1)
             with self._budget.take(cost):
                 block = piece.read(index)
                 for level, (f, rows) in zip(levels, users, strict=True):
-                    out[f][rows] = block if level is None else \
-                        block[:, index["level"].index(level)]
+                    out[f][rows] = block if level is None else block[:, level - first]
                 del block
 
         if self._pool is None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -219,8 +220,11 @@ def memory_per_worker(plan: Plan, source: Source, train: bool = True) -> int:
     libraries. docs/real_era5.md compares it with the peak measured at 0.25 degrees."""
     B = plan.batch_size
     plane = source.grid.shape[0] * source.grid.shape[1] * 4
-    pieces = {id(p.array): p for f in source.fields for p, _ in f.pieces[:1]}
-    reads = [p.read_bytes(B) for p in pieces.values()]
+    spans: dict[int, tuple[Any, list[int]]] = {}
+    for f in source.fields:
+        piece, level = f.pieces[0]
+        spans.setdefault(id(piece), (piece, []))[1].append(0 if level is None else level)
+    reads = [p.read_bytes(B, max(levels) - min(levels) + 1) for p, levels in spans.values()]
     chunks = min(sum(reads), max(READ_BYTES, max(reads)))
     H, W = output_grid(plan, source.grid).shape
     C = len(CHANNEL_NAMES)

@@ -48,6 +48,7 @@ from utils.errors import DataError
 _RENAME = {"valid_time": "time", "pressure_level": "level", "lat": "latitude",
            "lon": "longitude", "isobaricInhPa": "level"}
 EXTENSIONS = ("nc", "nc4", "netcdf", "zip")
+ZARR_BATCH = 32  # chunks Zarr decodes together (its codec_pipeline.batch_size; default 1)
 # Names of the variables on pressure levels (the channels' and specific humidity, from which
 # relative humidity can be derived), and of the single-level ones.
 PRESSURE_NAMES = {n for c in CHANNELS if c.level is not None for n in (c.variable, c.short)
@@ -127,6 +128,12 @@ def _open_files(path: str) -> list[tuple[str, Any]]:
     import xarray as xr
 
     if _is_zarr(path):
+        import zarr
+
+        # A request's chunks decoded in batches, not one by one: ~30 % less CPU per chunk
+        # (a batch of 32 times of a 5.625-degree variable: 52 ms against 72 ms for 11
+        # variables, docs/real_era5.md). Process-wide: Zarr's configuration is global.
+        zarr.config.set({"codec_pipeline.batch_size": ZARR_BATCH})
         # The public buckets are read anonymously.
         options = {"token": "anon"} if path.startswith(("gs://", "gcs://")) else None
         return [(path, xr.open_dataset(path, engine="zarr", chunks=None, cache=False,
