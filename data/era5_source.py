@@ -55,6 +55,7 @@ READ_THREADS = 16  # requests in flight: a remote store's latency hides behind t
 # Bytes of chunks in flight at most (a request larger than this runs alone): at 0.25 degrees
 # a batch of 8 times of a pressure-level variable decodes 8 chunks of 54 MB.
 READ_BYTES = 2**30
+SPAN_BYTES = 64 * 2**20  # a run of levels read whole up to this size (`_read_fields`)
 HUMIDITY = "relative_humidity"
 DERIVE_FROM = (("specific_humidity", "q"), ("temperature", "t"))
 # The definition of relative humidity a source's own variable holds, by its name (a store
@@ -74,13 +75,18 @@ class Piece:
     def where(self) -> str:
         return self.opened.where
 
+    @property
+    def plane_bytes(self) -> int:
+        """Bytes of one time of one level."""
+        sizes = self.array.sizes
+        return self.array.nbytes // max(sizes.get("time", 1) * sizes.get("level", 1), 1)
+
     def read_bytes(self, times: int, levels: int = 1) -> int:
         """Bytes a read of `times` times and `levels` levels holds while it runs: the chunks
         it decodes (a chunk holds every level of a variable; compressed and decoded) and the
         selection."""
         array = self.array
-        plane = array.nbytes // max(array.sizes.get("time", 1) * array.sizes.get("level", 1), 1)
-        selected = times * levels * plane
+        selected = times * levels * self.plane_bytes
         shape = array.encoding.get("chunks") or array.encoding.get("chunksizes")
         if shape and "time" in array.dims and len(shape) == array.ndim:
             t = array.dims.index("time")
@@ -336,17 +342,24 @@ class Source:
         def fetch(request: tuple[Piece, Any, list, list]) -> None:
             piece, times, levels, users = request
             index: dict[str, Any] = {"time": times}
-            first = 0
-            if piece.levels is not None:  # a run of levels: a basic selection, faster
-                first, last = min(levels), max(levels)
-                index["level"] = slice(first, last + 1)
             n = len(range(times.start, times.stop, times.step or 1)) if isinstance(
                 times, slice) else len(times)
-            cost = piece.read_bytes(n, 1 if piece.levels is None else last - first + 1)
-            with self._budget.take(cost):
+            wanted = sorted({lev for lev in levels if lev is not None})
+            at = {lev: k for k, lev in enumerate(wanted)}  # a level's place in the block
+            count = max(len(wanted), 1)  # levels read
+            if wanted:
+                # The run of levels from the first wanted to the last is a basic selection,
+                # faster than a list; the list where the run holds many more levels than
+                # wanted in much memory (0.25 degrees).
+                span = wanted[-1] - wanted[0] + 1
+                index["level"] = wanted
+                if span <= 2 * len(wanted) or n * span * piece.plane_bytes <= SPAN_BYTES:
+                    index["level"], count = slice(wanted[0], wanted[-1] + 1), span
+                    at = {lev: lev - wanted[0] for lev in wanted}
+            with self._budget.take(piece.read_bytes(n, count)):
                 block = piece.read(index)
                 for level, (f, rows) in zip(levels, users, strict=True):
-                    out[f][rows] = block if level is None else block[:, level - first]
+                    out[f][rows] = block if level is None else block[:, at[level]]
                 del block
 
         if self._pool is None:
