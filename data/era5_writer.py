@@ -37,8 +37,9 @@ import numpy as np
 
 from data.climatology import sample_times
 from data.era5_names import CHANNEL_NAMES, CHANNELS
-from data.era5_source import READ_BYTES, READ_THREADS, Source, year_times
+from data.era5_source import READ_THREADS, Source, year_times
 from data.grid import Grid, write_file_grid
+from data.pieces import READ_BYTES
 from data.statistics import PartialSums
 from utils.errors import DataError
 
