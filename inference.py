@@ -11,13 +11,16 @@ climatology.
     python inference.py --run_dir DIR --save_forecasts DIR/forecast/forecasts.zarr \
         --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
     python inference.py --run_dir DIR --climatology CLIM.zarr  # WeatherBench-2's climatology
+    python inference.py --run_dir DIR --init_hours 0,12     # WeatherBench-2's initial times
 
-From N initial conditions spread evenly over the test split, the model forecasts 6 h ahead,
-then again from its own forecast, --lead_steps times (20 steps = 5 days). Every channel (and
-10 m wind speed) at every lead, globally and in three latitude bands, is scored by
-WeatherBench-2's latitude-weighted RMSE (physical units) and ACC, next to three baselines:
-persistence (the initial state), the seasonal and diurnal climatology and the time mean
-(docs/scoring.md). Checkpoints hold full tensors, so any checkpoint (train.py or
+From N initial conditions spread evenly over the test split (at any hour, or at
+--init_hours), the model forecasts 6 h ahead, then again from its own forecast, --lead_steps
+times (20 steps = 5 days), a batch of initial conditions lead by lead (memory does not
+grow with the leads; --batch_size by default chosen for the grid, said in the log).
+Every channel (and 10 m wind speed) at every lead, globally and in three latitude bands,
+is scored by WeatherBench-2's latitude-weighted RMSE (physical units) and ACC, next to
+three baselines: persistence (the initial state), the seasonal and diurnal climatology and
+the time mean (docs/scoring.md). Checkpoints hold full tensors, so any checkpoint (train.py or
 train_mp.py, any layout) evaluates serially or in any layout (distributed/layout.py: --tp /
 --cp for the ViT, an h x w mesh for the AFNO). Results go to <run dir>/forecast/:
 skill.csv, skill.json, skill_vs_lead.png, rollout_<channel>.png, TensorBoard events
@@ -68,10 +71,10 @@ from evaluation.forecast_skill import (
     write_csv,
     write_json,
 )
+from evaluation.inference_flags import batch_for_grid
 from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
 from evaluation.truth_file import write_truth
-from networks.rollout import rollout
 from training.checkpoint import (
     latest_checkpoint,
     load_model_weights,
@@ -167,41 +170,62 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
              norm: Normaliser, refs: References, map_channel: int,
              save: tuple[str, int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """Sums of scores over `ics` (evaluation.forecast_skill.forecast_sums), and the first
-    rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W). On a spatial
-    mesh every rank rolls out its tile (`data` reads only it) and the sums are the grid's.
-    `save` = (Zarr store, index of ics[0] in it): the forecasts are written there too."""
+    rollout's (truth, forecast) of `map_channel`, normalised, (2, L+1, H, W). A batch of
+    initial conditions is rolled out lead by lead: each lead's forecast is scored against
+    its truth, read then, and dropped, so memory does not grow with --lead_steps. On a
+    spatial mesh every rank rolls out its tile (`data` reads only it) and the sums are the
+    grid's. `save` = (Zarr store, index of ics[0] in it): the forecasts are written there
+    too, a few leads at a time."""
     device, tile = layout.device, layout.tile
     # Allocated outside inference mode: the all-reduce later updates it in place.
     sums = torch.zeros(len(FORECASTS), 2, len(norm.regions), lead_steps + 1,
                        len(refs.channels), dtype=torch.float64, device=device)
-    example = None
+    refs.plan(data.valid_times(ics, lead_steps)[0])  # a climatology store's reads
+    maps: list[torch.Tensor] = []
     for start in range(0, len(ics), batch_size):
         batch = ics[start: start + batch_size]
         hours, phase, hour = data.valid_times(batch, lead_steps)
         with torch.inference_mode():  # no autograd bookkeeping at all
-            truth = data.read(batch, lead_steps, tile).to(device)
-            with precision.autocast():
-                preds = rollout(model, truth[:, 0], lead_steps)
-            forecast = torch.cat([truth[:, :1], preds], dim=1)  # lead 0: the initial state
-            if save is not None:
-                _save(save[0], save[1] + start, forecast, refs, tile)
-            if example is None:
-                example = whole_field(torch.stack([truth[0, :, map_channel],
-                                                   forecast[0, :, map_channel]]), tile)
-            sums += forecast_sums(refs.extend(forecast), refs.extend(truth),
-                                  refs.climatology(phase, hour, hours), refs.time_mean,
-                                  norm.weights,
-                                  tile)
-    return sums, example.cpu().numpy()
+            x0 = data.read_lead(batch, 0, tile).to(device)
+            initial = refs.extend(x0).unsqueeze(1)  # persistence, at every lead
+            x, pending = x0, []
+            for k in range(lead_steps + 1):
+                truth = x0 if k == 0 else data.read_lead(batch, k, tile).to(device)
+                if k:
+                    with precision.autocast():  # fp32 from step to step (networks/rollout.py)
+                        x = model(x).float()
+                clim = refs.climatology(phase[:, k], hour[:, k], hours[:, k])
+                clim = clim.unsqueeze(1) if clim.dim() == 4 else clim
+                sums[:, :, :, k:k + 1] += forecast_sums(
+                    refs.extend(x).unsqueeze(1), refs.extend(truth).unsqueeze(1), clim,
+                    refs.time_mean, norm.weights, tile, initial=initial)
+                if start == 0:
+                    maps.append(whole_field(torch.stack([truth[0, map_channel],
+                                                         x[0, map_channel]]), tile))
+                if save is not None:
+                    pending.append(x)
+                    if len(pending) == leads_per_write(x) or k == lead_steps:
+                        _save(save[0], save[1] + start, k + 1 - len(pending),
+                              torch.stack(pending, dim=1), refs, tile)
+                        pending = []
+    return sums, torch.stack(maps, dim=1).cpu().numpy()
 
 
-def _save(path: str, start: int, forecast: torch.Tensor, refs: References, tile) -> None:
-    """Write a batch of rollouts (the whole grid: gathered over a spatial mesh; one rank of
-    each model-parallel group writes) into the forecast store."""
+def leads_per_write(x: torch.Tensor, limit: int = 2**30) -> int:
+    """Leads of a batch's forecasts `x` (B, C, H, W) written at a time: as many as fit in
+    `limit` bytes of float32 (one at 0.25 degrees with 8 initial conditions)."""
+    return max(1, limit // (x.numel() * 4))
+
+
+def _save(path: str, start: int, lead: int, forecast: torch.Tensor, refs: References,
+          tile) -> None:
+    """Write leads lead .. lead + n - 1 of a batch's rollouts, (B, n, C, H, W) (the whole
+    grid: gathered over a spatial mesh; one rank of each model-parallel group writes), into
+    the forecast store, in float32."""
     fields = whole_field(forecast, tile)
     if comm.get_rank("mp") == 0:
         physical = refs.physical(fields).cpu().numpy()
-        write_forecasts(path, start, physical, refs.channels[:forecast.shape[2]])
+        write_forecasts(path, start, physical, refs.channels[:forecast.shape[2]], lead)
 
 
 def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarray,
@@ -256,7 +280,7 @@ def main(args: argparse.Namespace) -> None:
     for name in [*args.channels, args.map_channel]:
         if name not in channels:
             raise ConfigError(f"unknown channel {name}; the data has {', '.join(channels)}")
-    ics = data.pick(args.n_initial_conditions, args.lead_steps)
+    ics = data.pick(args.n_initial_conditions, args.lead_steps, args.init_hours)
     out_dir = args.out or os.path.join(run_directory(path), "forecast")
     os.makedirs(out_dir, exist_ok=True)
 
@@ -274,16 +298,24 @@ def main(args: argparse.Namespace) -> None:
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
     norm = Normaliser(cfg, layout.device)
-    refs = References(cfg, norm, channels, layout.tile, store=args.climatology)
+    refs = References(cfg, norm, channels, layout.tile, store=args.climatology,
+                      rh_definition=data.rh_definition)
+    batch_size, why = args.batch_size, "--batch_size"
+    if batch_size is None:
+        batch_size = batch_for_grid(len(refs.channels), *norm.grid.shape)
+        why = f"chosen for the {norm.grid.shape[0]} x {norm.grid.shape[1]} grid"
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
-             f"this rank), {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
+             f"this rank, {batch_size} at a time: {why})"
+             + (f" at {', '.join(map(str, args.init_hours))} UTC" if args.init_hours else "")
+             + f", {args.lead_steps} steps of {data.lead_hours(1)[1]} h each; "
              f"grid {norm.grid.describe()}; regions {', '.join(norm.regions)}; "
              f"climatology: {refs.kind}")
     save = None
     if args.save_forecasts:
         if rank == 0:
             create_store(args.save_forecasts, data.valid_times(ics, 0)[0][:, 0],
-                         data.lead_hours(args.lead_steps), norm.grid, channels)
+                         data.lead_hours(args.lead_steps), norm.grid, channels,
+                         data.rh_definition)
         comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
         save = (args.save_forecasts, ics.index(mine[0]))
     if args.save_truth and rank == 0:
@@ -293,7 +325,7 @@ def main(args: argparse.Namespace) -> None:
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
-    sums, example = evaluate(model, data, mine, args.lead_steps, args.batch_size, layout,
+    sums, example = evaluate(model, data, mine, args.lead_steps, batch_size, layout,
                              precision, norm, refs, channels.index(args.map_channel), save)
     comm.sum_over(sums, "dp")
     seconds = time.time() - start

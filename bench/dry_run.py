@@ -224,7 +224,6 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     from planning.time_model import LINK_EFFICIENCY, TimeModel
     from utils.errors import UserError
 
-    require_collectives_on_fake_tensors()
     cfg = read_config(args.yaml_config, args.config, flags=flags_given(args))
     gpu = gpu_named(args.gpu)
     network = network_named(args.network or DEFAULT_NETWORK[gpu.name])
@@ -245,11 +244,14 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
                         f"global batch {cfg.global_batch_size} must divide among the "
                         "data-parallel ranks (or give --local_batch_size)")
     if args.layouts == "all" and not args.measured_samples_per_s:
+        require_collectives_on_fake_tensors()
         return cfg, None, model, scaling
     job = Job(cfg, args.gpus, per_node)
     job.check_nodes()
     for n in scaling:
         Job(cfg.replace(local_batch_size=job.local_batch), n, per_node).check_nodes()
+    # the job's own mistakes first, then what this PyTorch cannot do
+    require_collectives_on_fake_tensors()
     if args.measured_samples_per_s:
         try:
             model = calibrated(job, model, args.measured_samples_per_s)

@@ -24,7 +24,8 @@ WeatherBench-2's store instead (evaluation/wb2_climatology.py).
 
 Stored as stats/climatology.npz: `coefficients` (14, C, H, W) float32 in physical units,
 `time_mean` (C, H, W), `channels` (the 20 channels plus derived ones such as ws10, 10 m
-wind speed), `terms`, `n_samples`. Its fit: data/statistics.py.
+wind speed), `terms`, `n_samples`, `rh_definition` (which relative humidity the data holds,
+data/humidity.py; empty when not known). Its fit: data/statistics.py.
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def sample_times(time_hours: np.ndarray, samples_per_year: int
 class Climatology:
     """The fitted harmonics of a data set (module docstring), for the grid of `img_size`."""
 
-    coefficients: np.ndarray  # (14, C, H, W) float32, physical units
+    coefficients: np.ndarray | None  # (14, C, H, W) float32, physical units (None: not read)
     time_mean: np.ndarray     # (C, H, W) float32
     channels: tuple[str, ...]
     path: str
+    rh_definition: str = ""   # of its relative humidity, data/humidity.py ("": not recorded)
 
     def at(self, phase: np.ndarray, hour: np.ndarray) -> np.ndarray:
         """(..., C, H, W) float32 climatology at year fractions `phase` (...) and `hour`."""
+        assert self.coefficients is not None, "loaded without its coefficients"
         b = basis(phase, hour).astype(np.float32)
         return np.tensordot(b, self.coefficients, axes=([-1], [0]))
 
@@ -91,34 +94,40 @@ def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
 
 
 def save_climatology(stats_dir: str | os.PathLike, coefficients: np.ndarray,
-                     time_mean: np.ndarray, channels: tuple[str, ...], n_samples: int) -> str:
+                     time_mean: np.ndarray, channels: tuple[str, ...], n_samples: int,
+                     rh_definition: str = "") -> str:
     """Write stats/climatology.npz whole (a temporary file renamed); returns its path."""
     path = os.path.join(stats_dir, FILE_NAME)
-    save_npz(path, coefficients=coefficients.astype(np.float32),
+    save_npz(path, coefficients=coefficients.astype(np.float32, copy=False),
              time_mean=time_mean.astype(np.float32), channels=np.array(channels),
-             terms=np.array(TERMS), n_samples=np.int64(n_samples))
+             terms=np.array(TERMS), n_samples=np.int64(n_samples),
+             rh_definition=np.array(rh_definition))
     return path
 
 
-def load_climatology(stats_dir: str | os.PathLike, img_size: tuple[int, int] | list[int]
-                     ) -> Climatology | None:
-    """The data set's climatology cropped to `img_size`; None if it has none (data prepared
-    before it existed: the evaluation then uses time_means alone)."""
+def load_climatology(stats_dir: str | os.PathLike, img_size: tuple[int, int] | list[int],
+                     coefficients: bool = True) -> Climatology | None:
+    """The data set's climatology cropped to `img_size` (without its coefficients for
+    `coefficients=False`: the time mean alone, 1 / 14 of the file); None if it has none
+    (data prepared before it existed: the evaluation then uses time_means alone)."""
     path = os.path.join(stats_dir, FILE_NAME)
     if not os.path.isfile(path):
         return None
     try:
         with np.load(path) as f:
-            coefficients, time_mean = f["coefficients"], f["time_mean"]
+            time_mean = f["time_mean"]
             channels, terms = tuple(str(c) for c in f["channels"]), tuple(f["terms"])
+            definition = str(f["rh_definition"]) if "rh_definition" in f.files else ""
+            coef = f["coefficients"] if coefficients else None
+            shape = coef.shape if coef is not None else (len(terms), *time_mean.shape)
     except (OSError, ValueError, KeyError) as e:
         raise DataError(f"{path} is not a readable climatology "
                         f"({str(e).splitlines()[0]})") from None
     H, W = (int(n) for n in img_size)
-    if tuple(str(t) for t in terms) != TERMS or coefficients.ndim != 4:
+    if tuple(str(t) for t in terms) != TERMS or len(shape) != 4:
         raise DataError(f"{path}: unknown climatology terms {terms}; prepare the data again")
-    if coefficients.shape[2] < H or coefficients.shape[3] < W:
-        raise DataError(f"{path} is {coefficients.shape[2]} x {coefficients.shape[3]}, "
-                        f"smaller than img_size {H} x {W}")
-    return Climatology(np.ascontiguousarray(coefficients[:, :, :H, :W]),
-                       np.ascontiguousarray(time_mean[:, :H, :W]), channels, path)
+    if shape[2] < H or shape[3] < W:
+        raise DataError(f"{path} is {shape[2]} x {shape[3]}, smaller than img_size {H} x {W}")
+    return Climatology(None if coef is None else np.ascontiguousarray(coef[:, :, :H, :W]),
+                       np.ascontiguousarray(time_mean[:, :H, :W]), channels, path,
+                       definition)

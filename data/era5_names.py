@@ -6,9 +6,11 @@ forecasts and scores), the short name of the Copernicus CDS NetCDF files, the pr
 level in hPa (None: a single-level field) and the physical units of the prepared files
 (CF style, as the public stores write them). Geopotential stays geopotential (m2/s2), not
 geopotential height. Relative humidity is in percent in the prepared files whatever the
-source (the CDS `r` is percent, WeatherBench-2's `relative_humidity` a fraction:
-`humidity_scale`); forecasts and truth written for WeatherBench-2 are in its convention
-(`wb2_units`).
+source (the CDS `r` is percent, WeatherBench-2's `relative_humidity` a fraction, told
+apart by the units attribute or, without one, by the values' range: `humidity_scale`);
+forecasts and truth written for WeatherBench-2 are in its convention (`wb2_units`). Which
+definition of relative humidity a file holds (ECMWF's or WeatherBench-2's) is another
+matter: data/humidity.py.
 
 Besides the 20 stored channels, the evaluation scores one derived variable that
 WeatherBench-2 reports among its headline scores: 10 m wind speed, sqrt(u10^2 + v10^2).
@@ -17,6 +19,8 @@ WeatherBench-2 reports among its headline scores: 10 m wind speed, sqrt(u10^2 + 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import numpy as np
 
 from utils.errors import DataError
 
@@ -91,6 +95,8 @@ def wb2_label(name: str) -> str:
 _WB2_UNITS = {"relative_humidity": ("1", 0.01)}
 _PERCENT = ("%", "percent", "pct")
 _FRACTION = ("1", "0-1", "(0 - 1)", "fraction", "dimensionless")
+# The range that tells relative humidity without units apart: the largest value of a field.
+FRACTION_AT_MOST, PERCENT_AT_LEAST, PERCENT_AT_MOST = 1.5, 5.0, 200.0
 
 
 def wb2_units(variable: str) -> tuple[str, float]:
@@ -102,16 +108,32 @@ def wb2_units(variable: str) -> tuple[str, float]:
     return units, 1.0
 
 
-def humidity_scale(name: str, units: str | None, where: str) -> float:
+def humidity_scale(name: str, units: str | None, where: str,
+                   sample: np.ndarray | None = None) -> float:
     """The factor that turns a source's relative humidity `name` into percent: from its
-    `units` attribute, else by the source's convention (WeatherBench-2's long name: a
-    fraction; the CDS `r`: percent)."""
+    `units` attribute, else from the range of `sample` (some of its values): a fraction
+    peaks near 1 (up to ~1.1 where the air is supersaturated), percent near 100. A field
+    without units whose range says neither (its largest value between 1.5 and 5) is
+    refused: give the variable a units attribute."""
     text = (units or "").strip().lower()
     if text in _PERCENT:
         return 1.0
     if text in _FRACTION:
         return 100.0
-    if not text:
-        return 1.0 if name == "r" else 100.0
-    raise DataError(f"{where}: '{name}' has units '{units}'; relative humidity must be in "
-                    f"percent ({' or '.join(_PERCENT[:2])}) or a fraction (1)")
+    if text:
+        raise DataError(f"{where}: '{name}' has units '{units}'; relative humidity must be "
+                        f"in percent ({' or '.join(_PERCENT[:2])}) or a fraction (1)")
+    values = np.asarray(sample if sample is not None else [], dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        raise DataError(f"{where}: '{name}' has no units attribute and no finite value to "
+                        "tell a fraction from percent; give it units ('%' or '1')")
+    lo, hi = float(values.min()), float(values.max())
+    if hi <= FRACTION_AT_MOST:
+        return 100.0
+    if PERCENT_AT_LEAST <= hi <= PERCENT_AT_MOST:
+        return 1.0
+    raise DataError(f"{where}: '{name}' has no units attribute and values {lo:.3g} .. "
+                    f"{hi:.3g}, neither a fraction (at most {FRACTION_AT_MOST:g}) nor "
+                    f"percent ({PERCENT_AT_LEAST:g} .. {PERCENT_AT_MOST:g}); give it units "
+                    "('%' or '1')")

@@ -13,18 +13,24 @@ them):
     channel is found in whichever files hold its variable at its level, and joined in time.
 
 Relative humidity comes out in percent whatever the source: WeatherBench-2's is a fraction
-(x 100), the CDS `r` is percent, and a store without it but with specific humidity
-(ARCO-ERA5) gets it derived with the IFS formula (data/humidity.py). `channel_sources`
-says, per channel, what it was made from.
+(x 100), the CDS `r` is percent (a variable without units: told by its range). It comes in
+one of two definitions (data/humidity.py): WeatherBench-2's `relative_humidity` is its own
+(over water), the CDS `r` is ECMWF's (mixed phase), and a store without it but with
+specific humidity (ARCO-ERA5) gets ECMWF's, ERA5's own, derived. `rh_definition` asks for
+one: where the source holds the other, it is derived from specific humidity and
+temperature (a source without specific humidity at the level is refused in one line).
+`channel_sources` says, per channel, what it was made from; `rh_definition` which one
+came out.
 
 Every channel is checked when the source is opened (a missing variable or level is a
 one-line DataError naming it; so are a coordinate with a missing value and variables on
 different grids), `select_year` checks that every 6-hourly time of a year is there, and
 `read` refuses a NaN or infinity with a line naming the variable, level and time. A batch
 reads each variable's chunks once for all its levels, and the variables in parallel threads
-(`read_threads`: sized for a store's latency, not for the cores). Fields come out with rows
-from north to south and columns from 0 degrees east, as float32 in the channels' units
-(data/era5_names.py).
+(`read_threads`: sized for a store's latency, not for the cores), as many at once as
+READ_BYTES of chunks allows (at 0.25 degrees a variable's batch of chunks is ~0.9 GB).
+Fields come out with rows from north to south and columns from 0 degrees east, as float32
+in the channels' units (data/era5_names.py).
 """
 
 from __future__ import annotations
@@ -38,35 +44,17 @@ import numpy as np
 
 from data.era5_names import CHANNELS, Channel, humidity_scale
 from data.grid import Grid
-from data.humidity import relative_humidity
+from data.humidity import DEFINITIONS, ECMWF, WB2, relative_humidity
+from data.pieces import READ_BYTES, SPAN_BYTES, Budget, Piece, selection
 from data.source_files import EPOCH, HOUR, Opened, coordinate, open_source
 from utils.errors import DataError
 
 READ_THREADS = 16  # requests in flight: a remote store's latency hides behind the others
 HUMIDITY = "relative_humidity"
 DERIVE_FROM = (("specific_humidity", "q"), ("temperature", "t"))
-
-
-@dataclass(eq=False)
-class Piece:
-    """One dataset's array of a variable: (time, [level,] latitude, longitude), lazy."""
-
-    array: Any          # xarray.DataArray, its dimensions in the source's order
-    levels: np.ndarray | None
-    opened: Opened      # the dataset: where, its times (hours since 1970-01-01), span
-
-    @property
-    def where(self) -> str:
-        return self.opened.where
-
-    def read(self, index: dict[str, Any]) -> np.ndarray:
-        """The selection `index` as (time, [level,] latitude, longitude): read in the
-        store's order (WeatherBench-2's coarse grids put longitude first), then transposed
-        in memory, which costs less than a transposed lazy read."""
-        block = np.asarray(self.array.isel(index).values)
-        order = ("time", "level", "latitude", "longitude") if self.levels is not None else (
-            "time", "latitude", "longitude")
-        return block.transpose([self.array.dims.index(d) for d in order])
+# The definition of relative humidity a source's own variable holds, by its name (a store
+# that records it, as the truth stores inference.py writes, says so in `rh_definition`).
+OWN_DEFINITION = {HUMIDITY: WB2, "r": ECMWF}
 
 
 @dataclass(eq=False)
@@ -91,16 +79,20 @@ class Source:
     """The 20 channels of an ERA5 source (module docstring), for times in [first, end)."""
 
     def __init__(self, path: str, first: np.datetime64, end: np.datetime64,
-                 read_threads: int = READ_THREADS):
+                 read_threads: int = READ_THREADS, rh_definition: str | None = None):
         self.path, self.read_threads = path, read_threads
         self._pieces: dict[str, list[Opened]] = defaultdict(list)
         self._grid_of: tuple[str, np.ndarray, np.ndarray] | None = None
         opened = open_source(path, np.datetime64(first, "h"), np.datetime64(end, "h"))
+        self._opened = opened
         self._names = sorted({str(n) for o in opened for n in o.dataset.data_vars})
         for o in opened:
             for name in o.dataset.data_vars:
                 self._pieces[str(name)].append(o)
         self._fields: dict[tuple[str, float | None], Field] = {}
+        self._shared: dict[tuple[int, str], Piece] = {}
+        self._own_rh = self._own_humidity()
+        self.rh_definition = rh_definition or self._own_rh
         self.recipes = [self._recipe(c) for c in CHANNELS]
         for r in self.recipes:
             for f in r.inputs:
@@ -117,6 +109,7 @@ class Source:
         self.channel_sources = [r.describe() for r in self.recipes]
         self._times = np.zeros(0, dtype="datetime64[h]")
         self._pool: ThreadPoolExecutor | None = None  # started by the first read
+        self._budget = Budget(READ_BYTES)
 
     # ------------------------------------------------------------------ opening
     def _field(self, names: tuple[str, str], level: int | None) -> Field | None:
@@ -138,6 +131,10 @@ class Source:
         da = o.dataset[name]
         plane = {"time", "latitude", "longitude"}
         expected = plane | ({"level"} if level is not None else set())
+        if level is not None and set(da.dims) == plane and name in o.level_of:
+            # one pressure level without a level dimension (data/source_files.py)
+            self._same_grid(o)
+            return (Piece(da, None, o), None) if np.isclose(o.level_of[name], level) else None
         if set(da.dims) != expected:
             if level is not None and set(da.dims) == plane:
                 raise DataError(f"{o.where}: '{name}' has no level coordinate")
@@ -150,38 +147,85 @@ class Source:
         hit = np.flatnonzero(np.isclose(levels, level))
         if not len(hit):
             return None
-        return Piece(da, levels, o), int(hit[0])
+        # One Piece per dataset and variable, shared by its levels' fields: a batch then
+        # reads each chunk (every level of a variable) once for all of them.
+        key = (id(o), name)
+        if key not in self._shared:
+            self._shared[key] = Piece(da, levels, o)
+        return self._shared[key], int(hit[0])
 
     def _levels_of(self, names: tuple[str, str]) -> str:
         levels = sorted({float(v) for n in names for o in self._pieces.get(n, [])
-                         if "level" in o.dataset.coords
-                         for v in coordinate(o.dataset, "level", o.where)})
+                         for v in ([o.level_of[n]] if n in o.level_of else
+                                   coordinate(o.dataset, "level", o.where)
+                                   if "level" in o.dataset.coords else [])})
         return ", ".join(f"{v:g}" for v in levels)
+
+    def _own_humidity(self) -> str:
+        """The definition of the source's own relative humidity (ECMWF's where it has
+        none: the one ERA5 itself holds)."""
+        for name, default in OWN_DEFINITION.items():
+            for o in self._pieces.get(name, []):
+                recorded = str(o.dataset[name].attrs.get("rh_definition", ""))
+                return recorded if recorded in DEFINITIONS else default
+        return ECMWF
 
     def _recipe(self, c: Channel) -> Recipe:
         what = c.variable + (f" at {c.level} hPa" if c.level is not None else "")
         found = self._field((c.variable, c.short), c.level)
-        if found is not None:
-            scale = 1.0
-            if c.variable == HUMIDITY:
-                piece = found.pieces[0][0]
-                scale = humidity_scale(found.variable, piece.array.attrs.get("units"),
-                                       piece.where)
+        humidity = c.variable == HUMIDITY
+        if found is not None and (not humidity or self.rh_definition == self._own_rh):
+            scale = self._humidity_scale(found) if humidity else 1.0
             return Recipe(c, (found,), scale)
-        if c.variable == HUMIDITY:
+        if humidity:
             inputs = [self._field(names, c.level) for names in DERIVE_FROM]
             if all(f is not None for f in inputs):
-                return Recipe(c, tuple(inputs), 1.0, derived=True)  # type: ignore[arg-type]
+                return Recipe(c, tuple(inputs), 1.0,  # type: ignore[arg-type]
+                              definition=self.rh_definition)
+            if found is not None:
+                raise DataError(
+                    f"{self.path}: relative humidity at {c.level} hPa ('{found.variable}') "
+                    f"is {DEFINITIONS[self._own_rh]}; {DEFINITIONS[self.rh_definition]} is "
+                    "derived from specific humidity ('specific_humidity' or 'q') and "
+                    f"temperature at {c.level} hPa, which the source lacks: add them, or "
+                    f"prepare with --rh_definition {self._own_rh}")
         names = (c.variable, c.short)
         if any(n in self._pieces for n in names):
             name = next(n for n in names if n in self._pieces)
             raise DataError(f"{self.path} lacks channel {c.name} ({what}): '{name}' has "
-                            f"levels {self._levels_of(names) or 'none'}")
+                            f"levels {self._levels_of(names) or 'none'}"
+                            + self._apart_note(name))
         also = (", nor 'specific_humidity' or 'q' and 'temperature' or 't' at that level "
-                "to derive it from" if c.variable == HUMIDITY else "")
+                "to derive it from" if humidity else "")
         raise DataError(f"{self.path} lacks channel {c.name} ({what}): no variable "
                         f"'{c.variable}' or '{c.short}'{also} (variables: "
                         f"{', '.join(self._names) or 'none'})")
+
+    def _humidity_scale(self, found: Field) -> float:
+        """Percent per unit of a relative humidity field: by its units, or without units
+        by the range of its first time in the source."""
+        piece, level = found.pieces[0]
+        units = piece.array.attrs.get("units")
+        sample = None
+        if not str(units or "").strip():
+            with_times = [(p, k) for p, k in found.pieces if len(p.opened.hours)]
+            if with_times:
+                piece, level = with_times[0]
+                index: dict[str, Any] = {"time": 0}
+                if level is not None:
+                    index["level"] = level
+                sample = np.asarray(piece.array.isel(index).values)
+            else:  # no time in the years asked for: select_year says so
+                return 1.0
+        return humidity_scale(found.variable, units, piece.where, sample)
+
+    def _apart_note(self, name: str) -> str:
+        """'; era5_single.nc holds a surface 'z', kept apart' for a name that files hold
+        as a surface field (data/source_files.py)."""
+        files = [o.where for o in self._opened if name in o.apart]
+        files = list(dict.fromkeys(files))
+        return (f"; {', '.join(files)} hold(s) a surface '{name}', kept apart"
+                if files else "")
 
     def _same_grid(self, o: Opened) -> None:
         lat = coordinate(o.dataset, "latitude", o.where)
@@ -213,19 +257,23 @@ class Source:
         return times
 
     # ------------------------------------------------------------------ reading
-    def read(self, start: int, stop: int) -> np.ndarray:
+    def read(self, start: int, stop: int, rows: int | None = None) -> np.ndarray:
         """(stop - start, 20, H, W) float32: samples start .. stop - 1 of the selected year,
-        rows from north to south, columns from 0 degrees east. A NaN or infinity in what was
-        read is a DataError naming the variable, level and time."""
+        rows from north to south (the first `rows` of them), columns from 0 degrees east.
+        A NaN or infinity in what was read is a DataError naming the variable, level and
+        time."""
         values = self._read_fields(start, stop)
         for f, x in values.items():
             _check_finite(f, x, self._times[start:stop], f.which[start:stop])
-        fields = np.stack([r.make(values) for r in self.recipes], axis=1)
-        if self._flip:
-            fields = fields[:, :, ::-1]
-        if self._reorder:  # longitudes from -180: columns from 0 degrees east
-            fields = fields[..., self._columns]
-        return np.ascontiguousarray(fields, dtype=np.float32)
+        H, W = self.grid.shape
+        rows = H if rows is None else rows
+        out = np.empty((stop - start, len(self.recipes), rows, W), dtype=np.float32)
+        for c, r in enumerate(self.recipes):  # each channel copied once, into its place
+            x = r.make(values)
+            x = x[:, ::-1] if self._flip else x
+            x = x[:, :rows]
+            out[:, c] = x[..., self._columns] if self._reorder else x
+        return out
 
     def _read_fields(self, start: int, stop: int) -> dict[Field, np.ndarray]:
         """Every field's (B, H, W) at the batch's times: one request per piece, variable
@@ -238,7 +286,7 @@ class Source:
                 piece, level = f.pieces[p]
                 key = (id(piece), index[rows].tobytes())
                 if key not in requests:
-                    requests[key] = (piece, _selection(index[rows]), [], [])
+                    requests[key] = (piece, selection(index[rows]), [], [])
                 requests[key][2].append(level)
                 requests[key][3].append((f, rows))
         shape = (stop - start, len(self._grid_of[1]), len(self._grid_of[2]))  # type: ignore[index]
@@ -247,12 +295,25 @@ class Source:
         def fetch(request: tuple[Piece, Any, list, list]) -> None:
             piece, times, levels, users = request
             index: dict[str, Any] = {"time": times}
-            if piece.levels is not None:
-                index["level"] = sorted(set(levels))
-            block = piece.read(index)
-            for level, (f, rows) in zip(levels, users, strict=True):
-                out[f][rows] = block if level is None else \
-                    block[:, index["level"].index(level)]
+            n = len(range(times.start, times.stop, times.step or 1)) if isinstance(
+                times, slice) else len(times)
+            wanted = sorted({lev for lev in levels if lev is not None})
+            at = {lev: k for k, lev in enumerate(wanted)}  # a level's place in the block
+            count = max(len(wanted), 1)  # levels read
+            if wanted:
+                # The run of levels from the first wanted to the last is a basic selection,
+                # faster than a list; the list where the run holds many more levels than
+                # wanted in much memory (0.25 degrees).
+                span = wanted[-1] - wanted[0] + 1
+                index["level"] = wanted
+                if span <= 2 * len(wanted) or n * span * piece.plane_bytes <= SPAN_BYTES:
+                    index["level"], count = slice(wanted[0], wanted[-1] + 1), span
+                    at = {lev: lev - wanted[0] for lev in wanted}
+            with self._budget.take(piece.read_bytes(n, count)):
+                block = piece.read(index)
+                for level, (f, rows) in zip(levels, users, strict=True):
+                    out[f][rows] = block if level is None else block[:, at[level]]
+                del block
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="read")
@@ -267,36 +328,32 @@ class Recipe:
     channel: Channel
     inputs: tuple[Field, ...]
     scale: float
-    derived: bool = False
+    definition: str | None = None  # derived relative humidity: ECMWF or WB2
+
+    @property
+    def derived(self) -> bool:
+        return self.definition is not None
 
     def make(self, values: dict[Field, np.ndarray]) -> np.ndarray:
         if self.derived:  # relative humidity in percent from q, T and the level's pressure
             q, t = (values[f] for f in self.inputs)
-            return (100.0 * relative_humidity(q, t, 100.0 * self.channel.level)
-                    ).astype(np.float32)
+            return (100.0 * relative_humidity(q, t, 100.0 * self.channel.level,
+                                              self.definition)).astype(np.float32)
         x = values[self.inputs[0]]
         return x if self.scale == 1.0 else x * np.float32(self.scale)
 
     def describe(self) -> str:
         """'temperature at 850 hPa', 'relative_humidity at 500 hPa x 100', 'derived:
-        relative humidity from specific_humidity at 500 hPa, temperature at 500 hPa (IFS,
-        mixed phase)'."""
+        relative humidity from specific_humidity at 500 hPa, temperature at 500 hPa (IFS
+        formula, mixed phase; ...)'."""
         if self.derived:
+            formula = ("IFS formula, mixed phase" if self.definition == ECMWF else
+                       "WeatherBench-2's formula, over water")
             return ("derived: relative humidity from "
                     + ", ".join(f.label(channels=False) for f in self.inputs)
-                    + " (IFS formula, mixed phase; data/humidity.py)")
+                    + f" ({formula}; data/humidity.py)")
         return self.inputs[0].label(channels=False) + (
             f" x {self.scale:g}" if self.scale != 1.0 else "")
-
-
-def _selection(index: np.ndarray) -> Any:
-    """A slice for evenly spaced increasing indices (a strided read), else the indices."""
-    if len(index) == 1:
-        return slice(int(index[0]), int(index[0]) + 1)
-    steps = np.diff(index)
-    if (steps == steps[0]).all() and steps[0] > 0:
-        return slice(int(index[0]), int(index[-1]) + 1, int(steps[0]))
-    return index
 
 
 def _locate(f: Field, wanted: np.ndarray, times: np.ndarray, year: int, path: str) -> None:

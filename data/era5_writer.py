@@ -11,7 +11,8 @@ A year is written to `<year>.h5.partial`, its attribute `complete` set last, and
 the final name is always whole. A batch is checked (data/era5_source.py: no NaN or
 infinity) before it is written; a year that fails leaves no file behind. The attributes of
 `fields` record every channel's name, units and what it was made from (`channel_names`,
-`channel_units`, `channel_sources`) and the source.
+`channel_units`, `channel_sources`), the definition of its relative humidity
+(`rh_definition`: "ecmwf" or "wb2", data/humidity.py) and the source.
 
 On a second run a year is skipped when its file is whole, was made from the same source
 with the same options (the attribute holds them), has the expected number of samples, and
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -37,10 +39,12 @@ from data.climatology import sample_times
 from data.era5_names import CHANNEL_NAMES, CHANNELS
 from data.era5_source import READ_THREADS, Source, year_times
 from data.grid import Grid, write_file_grid
+from data.pieces import READ_BYTES
 from data.statistics import PartialSums
 from utils.errors import DataError
 
-_sources: dict[str, Source] = {}  # opened once per process
+_sources: dict[tuple[str, str | None], Source] = {}  # opened once per process
+BASE_BYTES = 400 * 2**20  # the interpreter, numpy, xarray, zarr, h5py: measured ~0.3 GB
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,14 @@ class Plan:
     batch_size: int = 8
     years: tuple[int, int] = (1900, 2200)  # the first and last year of the preparation
     read_threads: int = READ_THREADS
+    rh_definition: str | None = None  # None: the source's own (data/era5_source.py)
 
     def options(self) -> str:
-        """The source and the options that decide a file's content, as one string."""
+        """The source and the options that decide a file's content, as one string (an
+        option left at None is left out: files written before it existed still match)."""
         kept = {k: v for k, v in asdict(self).items()
-                if k not in ("out", "batch_size", "years", "read_threads")}
+                if k not in ("out", "batch_size", "years", "read_threads")
+                and not (k == "rh_definition" and v is None)}
         return json.dumps(kept, sort_keys=True)
 
     def samples(self, year: int) -> int:
@@ -109,12 +116,13 @@ def is_complete(plan: Plan, split: str, year: int) -> bool:
 def open_source(plan: Plan) -> Source:
     """The plan's source, opened once per process for all the plan's years (until
     `forget_sources`: a new preparation in the same process opens it again)."""
-    if plan.source not in _sources:
+    key = (plan.source, plan.rh_definition)
+    if key not in _sources:
         first, last = plan.years
-        _sources[plan.source] = Source(plan.source, np.datetime64(f"{first}-01-01T00", "h"),
-                                       np.datetime64(f"{last + 1}-01-01T00", "h"),
-                                       plan.read_threads)
-    return _sources[plan.source]
+        _sources[key] = Source(plan.source, np.datetime64(f"{first}-01-01T00", "h"),
+                               np.datetime64(f"{last + 1}-01-01T00", "h"),
+                               plan.read_threads, plan.rh_definition)
+    return _sources[key]
 
 
 def forget_sources() -> None:
@@ -137,9 +145,8 @@ def output_grid(plan: Plan, grid: Grid) -> Grid:
 
 
 def transform(plan: Plan, fields: np.ndarray) -> np.ndarray:
-    """Source fields (B, 20, H0, W0) -> the output grid: the first rows, then block means."""
-    if plan.crop_rows is not None:
-        fields = fields[:, :, :plan.crop_rows]
+    """Source fields (B, 20, rows, W0), already cut to --crop_rows (`Source.read`) -> the
+    output grid: block means."""
     k = plan.coarsen
     if k == 1:
         return np.ascontiguousarray(fields, dtype=np.float32)
@@ -172,7 +179,7 @@ def prepare_year(plan: Plan, split: str, year: int,
                 "hours since 1970-01-01 00:00:00"
             for i in range(0, n, plan.batch_size):
                 j = min(i + plan.batch_size, n)
-                x = transform(plan, source.read(i, j))  # checked: no NaN, no infinity
+                x = transform(plan, source.read(i, j, plan.crop_rows))  # no NaN, no inf
                 fields[i:j] = x
                 if sums is not None:
                     sums.add(x, phase[i:j], hour[i:j])
@@ -198,11 +205,40 @@ def _create_fields(f: h5py.File, plan: Plan, source: Source, split: str, year: i
                               track_times=False)
     fields.attrs.update({
         "channel_names": list(CHANNEL_NAMES), "channel_units": [c.units for c in CHANNELS],
-        "channel_sources": source.channel_sources, "dt_hours": 6, "year": year,
+        "channel_sources": source.channel_sources, "rh_definition": source.rh_definition,
+        "dt_hours": 6, "year": year,
         "split": split, "samples_per_year": len(year_times(year)), "source": plan.source,
         "crop_rows": plan.crop_rows or 0, "coarsen": plan.coarsen,
         "description": "ERA5, data/prepare_era5.py; row 0 = north"})
     return fields
+
+
+def memory_per_worker(plan: Plan, source: Source, train: bool = True) -> int:
+    """Bytes a process preparing a year holds at its peak, estimated from the source's grid
+    and chunks: the chunks a batch decodes while it reads (at most READ_BYTES at a time, or
+    the largest variable's), the fields read from them and the batch on the output grid, a
+    training year's statistics sums (data/statistics.py), and the interpreter with its
+    libraries. docs/real_era5.md compares it with the peak measured at 0.25 degrees."""
+    B = plan.batch_size
+    plane = source.grid.shape[0] * source.grid.shape[1] * 4
+    spans: dict[int, tuple[Any, list[int]]] = {}
+    for f in source.fields:
+        piece, level = f.pieces[0]
+        spans.setdefault(id(piece), (piece, []))[1].append(0 if level is None else level)
+    reads = [p.read_bytes(B, max(levels) - min(levels) + 1) for p, levels in spans.values()]
+    chunks = min(sum(reads), max(READ_BYTES, max(reads)))
+    H, W = output_grid(plan, source.grid).shape
+    C = len(CHANNEL_NAMES)
+    fields = (len(source.fields) + C) * B * plane + (C * B * H * W * 8 if plan.coarsen > 1
+                                                    else 0)
+    sums = PartialSums.nbytes(C, H, W) + 3 * B * H * W * 8 if train else 0
+    return int(chunks + fields + sums + BASE_BYTES)
+
+
+def file_rh_definition(path: str | os.PathLike) -> str:
+    """The definition of relative humidity a prepared year file records ("" if none)."""
+    with h5py.File(path, "r") as f:
+        return str(f["fields"].attrs.get("rh_definition", ""))
 
 
 def file_grid(path: str | os.PathLike) -> Grid:

@@ -63,6 +63,7 @@ class RolloutData:
         self.runs = _runs(self.files, self.lengths, self._times)
         self._place = {path: (r, offset) for r, run in enumerate(self.runs)
                        for path, offset, _ in run}
+        self.rh_definition = _rh_definition(self.files, location)
 
     def channel_names(self) -> list[str]:
         """From the files' `channel_names` attribute (the synthetic data writes it), else
@@ -111,12 +112,21 @@ class RolloutData:
                     for i in range(max(min(n, total - span - first), 0))]
         return out
 
-    def pick(self, n: int | None, lead_steps: int) -> list[InitialCondition]:
-        """`n` initial conditions spread evenly over the split (in time order); None: the
-        default number, or all there are if fewer."""
+    def pick(self, n: int | None, lead_steps: int, hours: list[int] | None = None
+             ) -> list[InitialCondition]:
+        """`n` initial conditions spread evenly over the split (in time order), among those
+        at the UTC `hours` of day (None: any; WeatherBench-2's baselines start at 0 and 12);
+        n None: the default number, or all there are if fewer."""
         if lead_steps < 1:
             raise DataError(f"--lead_steps must be at least 1, got {lead_steps}")
         allowed = self.candidates(lead_steps)
+        if hours is not None:
+            at = {path: np.mod(self._times[path][0], 24) for path in self.files}
+            allowed = [ic for ic in allowed if int(at[ic.file][ic.index]) in hours]
+            if not allowed:
+                raise DataError(f"--init_hours {','.join(map(str, hours))}: {self.location} "
+                                f"has no initial condition at those hours of the day (its "
+                                f"samples are at {_hours_of_day(at)} UTC)")
         if not allowed:
             longest = max(run[-1][1] + run[-1][2] for run in self.runs)
             raise DataError(f"{self.location}: a {lead_steps}-step rollout needs "
@@ -132,6 +142,32 @@ class RolloutData:
         # Evenly spaced positions; the spacing is >= 1, so rounding keeps them distinct.
         positions = np.floor(np.linspace(0, len(allowed) - 1, n) + 0.5).astype(int)
         return [allowed[p] for p in positions]
+
+    def read_lead(self, ics: list[InitialCondition], lead: int,
+                  tile: Tile | None = None) -> torch.Tensor:
+        """(B, C, H, W) normalised fields `lead` steps after each initial condition (its
+        truth at that lead): `read`'s window at one lead, one sample per file read."""
+        tile = tile or Tile.whole(self.img_size)
+        out = None
+        for b, ic in enumerate(ics):
+            path, row = self._at(ic, lead)
+            x = self._dataset(path)[row, :, tile.rows, tile.cols]
+            if out is None:
+                out = np.empty((len(ics), *x.shape), dtype=np.float32)
+            out[b] = x
+        assert out is not None, "no initial condition"
+        out -= self.means
+        out /= self.stds
+        return torch.from_numpy(out)
+
+    def _at(self, ic: InitialCondition, lead: int) -> tuple[str, int]:
+        """(file, row) of the sample `lead` steps of dt after `ic`, within its run."""
+        r, offset = self._place[ic.file]
+        position = offset + ic.index + lead * self.dt
+        for path, first, n in self.runs[r]:
+            if first <= position < first + n:
+                return path, position - first
+        raise DataError(f"{self.location}: no sample {lead} steps after {ic.to_dict()}")
 
     def _dataset(self, path: str) -> h5py.Dataset:
         if path not in self._fields:
@@ -191,6 +227,26 @@ def _runs(files: list[str], lengths: list[int],
                 continue
         runs.append([(path, 0, n)])
     return runs
+
+
+def _hours_of_day(at: dict[str, np.ndarray]) -> str:
+    return ", ".join(str(h) for h in sorted({int(h) for v in at.values() for h in v}))
+
+
+def _rh_definition(files: list[str], location: str) -> str:
+    """The definition of relative humidity the files record (data/humidity.py), "" if
+    none does; files of two definitions are a DataError."""
+    seen: dict[str, str] = {}
+    for path in files:
+        with h5py.File(path, "r") as f:
+            definition = str(f["fields"].attrs.get("rh_definition", ""))
+        if definition:
+            seen.setdefault(definition, path)
+    if len(seen) > 1:
+        (a, pa), (b, pb) = list(seen.items())[:2]
+        raise DataError(f"{location} mixes relative humidity definitions: {pa} holds '{a}', "
+                        f"{pb} '{b}'; prepare the split again with one --rh_definition")
+    return next(iter(seen), "")
 
 
 def _file_times(path: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

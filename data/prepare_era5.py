@@ -3,21 +3,24 @@ tutorial's HDF5 layout: the 20 channels, one file per year per split, stats/ and
 
     python -m data.prepare_era5 SOURCE OUT --train_years 1979-2015 \\
         --valid_years 2016-2017 --test_years 2018 [--crop_rows 720] [--coarsen K] \\
-        [--max_samples N] [--batch_size B] [--workers N] [--read_threads T] [--task I]
+        [--max_samples N] [--batch_size B] [--workers N|auto] [--read_threads T] \\
+        [--rh_definition wb2|ecmwf] [--task I]
 
 Writes OUT/{train,valid,test}/<year>.h5 (data/era5_writer.py) and, from the training
 years, OUT/stats/: global_means.npy, global_stds.npy, time_means.npy (the tutorial's),
 climatology.npz (seasonal and diurnal harmonics, data/climatology.py),
 latitude.npy and longitude.npy. Years run in parallel (--workers processes, or one SLURM
-array task per year with --task); the statistics are merged exactly from each training
-year's partial sums (data/statistics.py) by a run without --task once every year is
-written. A second run skips every year already written and verified. Reading and naming:
+array task per year with --task; `--workers auto`: as many as the memory available holds,
+`memory_per_worker`); the statistics are merged exactly from each training year's partial
+sums (data/statistics.py) by a run without --task once every year is written. A second
+run skips every year already written and verified. Reading and naming:
 data/era5_source.py; the whole story: docs/real_era5.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import queue as queues
@@ -27,19 +30,28 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any, NoReturn
 
+if __name__ == "__main__":
+    # Before numpy is imported (here and in the workers, which inherit it): the statistics'
+    # small matrix products take ~0.06 ms on one BLAS thread and ~0.5-4 ms on OpenBLAS's
+    # threads, which also spin beside the read threads.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from data.era5_source import READ_THREADS
 from data.era5_writer import (
     Plan,
     YearResult,
     file_grid,
+    file_rh_definition,
     forget_sources,
     is_complete,
+    memory_per_worker,
     open_source,
     output_grid,
     prepare_year,
     sums_file,
     year_file,
 )
+from data.humidity import DEFINITIONS
 from data.statistics import PartialSums, write_stats
 from utils.errors import EXIT_USER_ERROR, DataError
 
@@ -47,13 +59,12 @@ SPLITS = ("train", "valid", "test")
 EPILOG = """\
 memory (peak, per worker): the chunks a batch reads, decoded while it is read (a store
   chunk holds one time of a variable, all its levels): batch_size x ~295 MB at 0.25
-  degrees from WeatherBench-2, x ~795 MB from ARCO-ERA5 (37 levels); then the batch's
-  fields, about 3 x batch_size x 20 x H0 x W0 x 4 bytes (H0 x W0: the source grid; read,
-  stacked, flipped or block-averaged); for a training year its statistics sums,
-  14 x 21 x H x W x 8 bytes (H x W: the output grid); ~0.2 GB of Python and libraries.
-  0.25 degrees, batch 8: ~2.4 GB of chunks (ARCO ~6.4 GB), ~2 GB for the fields, 2.4 GB
-  for the sums (0.6 GB with --coarsen 2); 5.625 degrees, batch 32: 0.22 GB measured.
-  Times --workers.
+  degrees from WeatherBench-2, x ~795 MB from ARCO-ERA5 (37 levels); the batch's fields
+  as read and on the output grid; for a training year its statistics sums,
+  14 x 21 x H x W x 8 bytes (H x W: the output grid: 2.4 GB at 0.25 degrees, 0.6 GB with
+  --coarsen 2); ~0.3 GB of Python and libraries. --workers auto runs as many workers as
+  the memory available holds by this estimate (the log says how many and why);
+  docs/real_era5.md has the peaks measured.
 
 SLURM: one array task per year (tasks count the train, then valid, then test years), then
   one run without --task to verify every year and merge the statistics:
@@ -93,6 +104,10 @@ def positive(text: str) -> int:
     return value
 
 
+def workers(text: str) -> int | str:
+    return "auto" if text == "auto" else positive(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m data.prepare_era5", description=__doc__.split("\n\n")[0],
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,11 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the first N 6-hourly samples of each year (a quick subset)")
     p.add_argument("--batch_size", type=positive, default=8, metavar="B",
                    help="samples read and written at a time (memory: see below)")
-    p.add_argument("--workers", type=positive, default=1, metavar="N",
-                   help="years prepared in parallel processes")
+    p.add_argument("--workers", type=workers, default=1, metavar="N|auto",
+                   help="years prepared in parallel processes; auto: as many as the cores "
+                        "and the memory available hold (below)")
     p.add_argument("--read_threads", type=positive, default=READ_THREADS, metavar="T",
                    help="reads in flight per process (a remote store's latency hides "
                         f"behind the others; default {READ_THREADS})")
+    p.add_argument("--rh_definition", choices=sorted(DEFINITIONS), default=None,
+                   help="which relative humidity to write: WeatherBench-2's (wb2, over "
+                        "water) or ECMWF's (ecmwf, mixed phase; the CDS r); default: the "
+                        "source's own (the other is derived from specific humidity)")
     p.add_argument("--task", type=int, default=None, metavar="I",
                    help="prepare only the I-th year (SLURM array task; no statistics)")
     return p
@@ -188,14 +208,53 @@ def _in_worker(plan: Plan, split: str, year: int) -> YearResult:
     return prepare_year(plan, split, year, report=_progress.put)
 
 
-def run(plan: Plan, jobs: list[tuple[str, int]], workers: int) -> list[YearResult]:
-    """Prepare `jobs`, `workers` at a time, with a progress bar over the samples to write."""
+def available_memory() -> int:
+    """Bytes this process may still use: the memory available, or less where a cgroup
+    (a SLURM job, a container) limits it."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit.isdigit():
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(int(available), 0)
+
+
+def auto_workers(plan: Plan, todo: list[tuple[str, int]]) -> int:
+    """As many workers as there are years to prepare, cores, and room in the memory
+    available for the estimated peak of each (`memory_per_worker`), with a fifth of it
+    kept free; at least one. Said on stderr."""
+    per = memory_per_worker(plan, open_source(plan), any(s == "train" for s, _ in todo))
+    available = available_memory()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    fits = math.floor(0.8 * available / per)
+    n = max(1, min(len(todo), cores, fits))
+    print(f"--workers auto: {n} ({len(todo)} year(s) to prepare, {cores} cores, "
+          f"{available / 1e9:.1f} GB available, ~{per / 1e9:.1f} GB a worker at "
+          f"--batch_size {plan.batch_size})"
+          + ("; one worker may not fit: lower --batch_size" if fits < 1 else ""),
+          file=sys.stderr)
+    return n
+
+
+def run(plan: Plan, jobs: list[tuple[str, int]], workers: int | str) -> list[YearResult]:
+    """Prepare `jobs`, `workers` at a time (or "auto": `auto_workers`), with a progress bar
+    over the samples to write."""
     todo = [(s, y) for s, y in jobs if not is_complete(plan, s, y)]
     for split, year in jobs:
         if (split, year) not in todo:
             print(f"{year_file(plan.out, split, year)} is complete, skipped", file=sys.stderr)
     if not todo:
         return []
+    if workers == "auto":
+        workers = auto_workers(plan, todo)
     with progress_bar(sum(plan.samples(y) for _, y in todo), _bytes_per_sample(plan)) as bar:
         if workers == 1 or len(todo) == 1:
             return [prepare_year(plan, s, y, report=lambda n: _advance(bar, n))
@@ -228,11 +287,17 @@ def merge_stats(plan: Plan, train_years: list[int]) -> None:
     for year in train_years:
         sums = sums.merge(PartialSums.load(sums_file(plan.out, year)))
     grid = file_grid(year_file(plan.out, "train", train_years[0]))
+    definition = file_rh_definition(year_file(plan.out, "train", train_years[0]))
     for year in train_years[1:]:
-        if not file_grid(year_file(plan.out, "train", year)).same_as(grid):
+        path = year_file(plan.out, "train", year)
+        if not file_grid(path).same_as(grid):
             raise DataError(f"{plan.out}/train mixes grids: {year}.h5 and "
                             f"{train_years[0]}.h5 differ; prepare them again")
-    write_stats(os.path.join(plan.out, "stats"), sums, grid)
+        if file_rh_definition(path) != definition:
+            raise DataError(f"{plan.out}/train mixes relative humidity definitions: "
+                            f"{year}.h5 holds '{file_rh_definition(path)}', "
+                            f"{train_years[0]}.h5 '{definition}'; prepare them again")
+    write_stats(os.path.join(plan.out, "stats"), sums, grid, definition)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     span = (min(y for _, y in jobs), max(y for _, y in jobs))
     plan = Plan(os.path.abspath(args.source) if "://" not in args.source else args.source,
                 args.out, args.crop_rows, args.coarsen, args.max_samples, args.batch_size,
-                span, args.read_threads)
+                span, args.read_threads, args.rh_definition)
     if args.task is not None:
         if not 0 <= args.task < len(jobs):
             raise DataError(f"--task {args.task}: there are {len(jobs)} years (0 .. "

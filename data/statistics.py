@@ -16,7 +16,9 @@ relative), so the result is what one pass over all training samples gives:
     term's row of X^T Y is the sum of the samples: time_means comes from it.
 
 Memory: X^T Y is float64, 14 x 21 x H x W x 8 bytes: 2.4 GB at 720 x 1440, 0.6 GB at
-360 x 720, 19 MB at 64 x 128; X^T X and the per-channel numbers are small.
+360 x 720, 19 MB at 64 x 128; X^T X and the per-channel numbers are small. Merging adds
+into the first year's arrays, and the harmonics are solved a channel at a time into
+float32, so writing stats/ holds about two years' sums and half of one more.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class PartialSums:
     xty: np.ndarray           # (T, C', H, W) float64
     channels: tuple[str, ...]  # C' names: the channels and the derived fields
 
+    @staticmethod
+    def nbytes(channels: int, H: int, W: int) -> int:
+        """Bytes of the sums of `channels` channels (and the derived ones) on H x W."""
+        return len(TERMS) * len(derived_names(channels)) * H * W * 8
+
     @classmethod
     def empty(cls) -> PartialSums:
         none = np.zeros(0)
@@ -94,17 +101,18 @@ class PartialSums:
         self.m2 = self.m2 + m2_b + delta**2 * (n_a * n_b / n)
 
     def merge(self, other: PartialSums) -> PartialSums:
-        """These sums plus `other`'s (both of the same grid and channels)."""
+        """These sums plus `other`'s (both of the same grid and channels), added into these
+        sums' arrays (a merge of many years holds two years' sums at once); returns them."""
         if other.count == 0:
             return self
         if self.count == 0:
             return other
         pixels = self.xty.shape[2] * self.xty.shape[3]
-        out = PartialSums(self.count, self.mean.copy(), self.m2.copy(), self.xtx + other.xtx,
-                          self.xty + other.xty, self.channels)
-        out._merge_moments(self.count * pixels, other.count * pixels, other.mean, other.m2)
-        out.count = self.count + other.count
-        return out
+        self.xtx += other.xtx
+        self.xty += other.xty
+        self._merge_moments(self.count * pixels, other.count * pixels, other.mean, other.m2)
+        self.count += other.count
+        return self
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
@@ -131,17 +139,23 @@ class PartialSums:
         return self.xty[0] / self.count
 
     def harmonics(self) -> np.ndarray:
-        """(T, C', H, W) float64 least-squares coefficients of the climatology. Terms the
-        samples cannot tell apart (a few days of data, not a year) get the minimum-norm
-        solution instead of an error."""
+        """(T, C', H, W) float32 least-squares coefficients of the climatology, solved in
+        float64 one channel at a time. Terms the samples cannot tell apart (a few days of
+        data, not a year) get the minimum-norm solution instead of an error."""
         T = len(TERMS)
-        solved = np.linalg.pinv(self.xtx, rcond=1e-10) @ self.xty.reshape(T, -1)
-        return solved.reshape(self.xty.shape)
+        inverse = np.linalg.pinv(self.xtx, rcond=1e-10)
+        out = np.empty(self.xty.shape, dtype=np.float32)
+        for c in range(self.xty.shape[1]):
+            solved = inverse @ self.xty[:, c].reshape(T, -1)
+            out[:, c] = solved.reshape(T, *out.shape[2:])
+        return out
 
 
-def write_stats(stats_dir: str | os.PathLike, sums: PartialSums, grid: Grid) -> list[Path]:
+def write_stats(stats_dir: str | os.PathLike, sums: PartialSums, grid: Grid,
+                rh_definition: str = "") -> list[Path]:
     """stats/global_means.npy, global_stds.npy, time_means.npy (float32, the tutorial's
-    layout), climatology.npz, latitude.npy and longitude.npy; each written whole."""
+    layout), climatology.npz (recording the definition of its relative humidity, if
+    known: data/humidity.py), latitude.npy and longitude.npy; each written whole."""
     out = Path(stats_dir)
     out.mkdir(parents=True, exist_ok=True)
     means, stds = sums.means_and_stds()
@@ -153,7 +167,8 @@ def write_stats(stats_dir: str | os.PathLike, sums: PartialSums, grid: Grid) -> 
         with open(tmp, "wb") as f:
             np.save(f, values.astype(np.float32))
         os.replace(tmp, out / f"{name}.npy")
-    save_climatology(out, sums.harmonics(), time_mean, sums.channels, sums.count)
+    save_climatology(out, sums.harmonics(), time_mean, sums.channels, sums.count,
+                     rh_definition)
     save_stats_grid(out, grid)
     return [out / f"{n}" for n in ("global_means.npy", "global_stds.npy", "time_means.npy",
                                   "climatology.npz", "latitude.npy", "longitude.npy")]

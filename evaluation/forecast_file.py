@@ -12,9 +12,11 @@ evaluation (and anyone's xarray code) can read and score them.
 
 Variables carry WeatherBench-2's names (data/era5_names.py: `geopotential`,
 `2m_temperature`, ...) in its units (a `units` attribute each, `wb2_units`): geopotential in
-m2/s2, relative humidity a fraction (the prepared files hold percent). Chunks hold one field
-of one initial condition and lead. The store is created once (`create_store`, world rank 0)
-and every writing rank fills its initial conditions' `time` slots (`write_forecasts`).
+m2/s2, relative humidity a fraction (the prepared files hold percent), with the definition
+of the data's relative humidity in an `rh_definition` attribute (data/humidity.py).
+Chunks hold one field of one initial condition and lead. The store is created once
+(`create_store`, world rank 0) and every writing rank fills its initial conditions' `time`
+slots, a few leads at a time (`write_forecasts`).
 `wb2_arrays` turns fields into these variables, for the truth too (evaluation/truth_file.py).
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from data.era5_names import CHANNELS, wb2_units
 from data.grid import Grid
+from data.humidity import DEFINITIONS
 
 HOURS = np.timedelta64(1, "h")
 
@@ -43,8 +46,9 @@ def wb2_layout(channels: list[str]) -> tuple[dict[str, list[tuple[int, int | Non
 
 
 def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid: Grid,
-                 channels: list[str]) -> None:
-    """An empty store (metadata and coordinates) for len(init_hours) initial conditions."""
+                 channels: list[str], rh_definition: str = "") -> None:
+    """An empty store (metadata and coordinates) for len(init_hours) initial conditions;
+    its relative humidity records its definition (`humidity_attributes`)."""
     import dask.array as da
     import xarray as xr
 
@@ -60,7 +64,8 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
         chunks = (1, 1) + ((len(levels),) if pressure else ()) + (H, W)
         data[variable] = xr.Variable(dims, da.full(shape, np.nan, dtype=np.float32,
                                                    chunks=chunks),
-                                       {"units": wb2_units(variable)[0]})
+                                       {"units": wb2_units(variable)[0],
+                                        **humidity_attributes(variable, rh_definition)})
     coords = {
         "time": np.datetime64("1970-01-01T00", "ns") + np.asarray(init_hours) * HOURS,
         "prediction_timedelta": (np.asarray(lead_hours) * HOURS).astype("timedelta64[ns]"),
@@ -72,6 +77,16 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
     ds = xr.Dataset(data, coords=coords, attrs={
         "description": "forecasts in WeatherBench-2's layout: time = initial time"})
     ds.to_zarr(path, mode="w", compute=False, zarr_format=2, consolidated=True)
+
+
+def humidity_attributes(variable: str, rh_definition: str) -> dict[str, str]:
+    """The attributes that say which relative humidity a variable holds (data/humidity.py):
+    `rh_definition` ("wb2" or "ecmwf"), and a description; none for other variables or an
+    unknown definition."""
+    if variable != "relative_humidity" or rh_definition not in DEFINITIONS:
+        return {}
+    return {"rh_definition": rh_definition,
+            "comment": f"{DEFINITIONS[rh_definition]} relative humidity"}
 
 
 def wb2_arrays(fields: np.ndarray, channels: list[str], leading: tuple[str, ...]
@@ -98,11 +113,14 @@ def wb2_arrays(fields: np.ndarray, channels: list[str], leading: tuple[str, ...]
     return out
 
 
-def write_forecasts(path: str, start: int, fields: np.ndarray, channels: list[str]) -> None:
-    """Fill initial conditions start .. start + B - 1 with `fields`, (B, L+1, C, H, W) in
-    physical units, rows north to south (as the data)."""
+def write_forecasts(path: str, start: int, fields: np.ndarray, channels: list[str],
+                    lead: int = 0) -> None:
+    """Fill initial conditions start .. start + B - 1, leads lead .. lead + n - 1, with
+    `fields`, (B, n, C, H, W) float32 in physical units, rows north to south (as the data):
+    a few leads at a time, so that a batch's rollouts are never held whole."""
     import xarray as xr
 
-    B = fields.shape[0]
+    B, n = fields.shape[:2]
     data = wb2_arrays(fields, channels, ("time", "prediction_timedelta"))
-    xr.Dataset(data).to_zarr(path, region={"time": slice(start, start + B)})
+    xr.Dataset(data).to_zarr(path, region={"time": slice(start, start + B),
+                                           "prediction_timedelta": slice(lead, lead + n)})

@@ -41,8 +41,8 @@ USEFUL_ACC = 0.6
 
 
 def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor, climatology: torch.Tensor,
-                  time_mean: torch.Tensor, weights: torch.Tensor, tile: Tile | None = None
-                  ) -> torch.Tensor:
+                  time_mean: torch.Tensor, weights: torch.Tensor, tile: Tile | None = None,
+                  initial: torch.Tensor | None = None) -> torch.Tensor:
     """Sums over a batch of initial conditions, to be added up over batches and ranks.
 
     forecast, truth: (B, L+1, C, H, W) normalised fields at leads 0..L (forecast[:, 0] is
@@ -50,13 +50,16 @@ def forecast_sums(forecast: torch.Tensor, truth: torch.Tensor, climatology: torc
     one field for all, (1, 1, C, H, W); time_mean: (1, 1, C, H, W); weights: the whole
     grid's region weights (R, H). With a `tile` (spatial parallelism) the fields are this
     rank's tile of the grid, and the sums are those of the whole grid (collectives over
-    "h-w"). Returns float64 (4 forecasts, 2, R, L+1, C): [sum of weighted MSE, sum of ACC].
+    "h-w"). `initial` (B, 1, C, H, W), persistence's forecast, is truth[:, :1] unless given
+    (the leads scored one at a time start after it). Returns float64 (4 forecasts, 2, R,
+    L+1, C): [sum of weighted MSE, sum of ACC].
     """
     B, L1, C = truth.shape[:3]
     weights = weights if weights.dim() == 2 else weights[None]
     truth = truth.float()
     clim = climatology.float().expand_as(truth)
-    candidates = (forecast.float(), truth[:, :1].expand_as(truth), clim,
+    initial = truth[:, :1] if initial is None else initial.float()
+    candidates = (forecast.float(), initial.expand_as(truth), clim,
                   time_mean.float().expand_as(truth))
     sums = torch.zeros(len(FORECASTS), 2, len(weights), L1, C, dtype=torch.float64,
                        device=truth.device)

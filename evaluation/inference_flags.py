@@ -28,9 +28,13 @@ def flag_parser(description: str = "") -> FlagParser:
     p.add_argument("--checkpoint", default=None, help="a checkpoint file")
     p.add_argument("--n_initial_conditions", type=int, default=None,
                    help="spread evenly over the test split (default 32, or all if fewer)")
+    p.add_argument("--init_hours", type=hours_of_day, default=None, metavar="H,H",
+                   help="only initial conditions at these UTC hours, e.g. 0,12 as "
+                        "WeatherBench-2's baselines (default: any hour)")
     p.add_argument("--lead_steps", type=int, default=20, help="rollout steps (6 h each)")
-    p.add_argument("--batch_size", type=int, default=8,
-                   help="initial conditions rolled out together on each rank")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="initial conditions rolled out together on each rank (default: "
+                        "chosen for the grid, at most 8: 2 at 0.25 degrees)")
     p.add_argument("--channels", nargs="+", default=[],
                    help=f"channels to print besides {', '.join(HEADLINE)}")
     p.add_argument("--map_channel", default="t2m", help="channel of the rollout maps")
@@ -49,11 +53,38 @@ def flag_parser(description: str = "") -> FlagParser:
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_FLAGS, "amp_mode"))
 
 
+def hours_of_day(text: str) -> list[int]:
+    """'0,12' -> [0, 12]: hours of the day, 0 .. 23."""
+    try:
+        hours = sorted({int(h) for h in text.split(",") if h.strip()})
+    except ValueError:
+        hours = []
+    if not hours or not all(0 <= h <= 23 for h in hours):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of hours 0 .. 23, e.g. 0,12")
+    return hours
+
+
+# Bytes of scored fields (C' x H x W float32) one initial condition holds while its rollout
+# is scored: the lead's forecast, truth, initial state and climatology with their derived
+# channels and the scores' temporaries (~12), and the climatology store's planes kept
+# between chunk reads (up to 12 at 0.25 degrees). docs/real_era5.md has the peaks measured.
+FIELDS_PER_INITIAL_CONDITION = 24
+BATCH_BYTES = 4 * 2**30
+MAX_BATCH = 8
+
+
+def batch_for_grid(channels: int, H: int, W: int) -> int:
+    """The default --batch_size: as many initial conditions as fit in BATCH_BYTES, 1 .. 8
+    (8 on the tutorial's grids up to 0.5 degrees, 2 at 0.25)."""
+    per = FIELDS_PER_INITIAL_CONDITION * channels * H * W * 4
+    return max(1, min(MAX_BATCH, BATCH_BYTES // per))
+
+
 def parse_flags(argv: Sequence[str], description: str = "") -> argparse.Namespace:
     """The flags of `argv`, checked: FlagError (a flag argparse cannot parse) or
     ConfigError (a value out of range), each one line."""
     args = flag_parser(description).parse_args(list(argv))
     for name in ("lead_steps", "batch_size"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args

@@ -13,6 +13,11 @@ reports, in m/s (scale 1). References:
 A data set without climatology.npz (and no store) falls back to the time mean for both
 (logged once).
 Everything lives on this rank's tile of the grid (spatial parallelism) and on its device.
+
+Relative humidity has two definitions (data/humidity.py): a climatology of one is no
+reference for data of the other. The data's (its year files' `rh_definition`), the harmonic
+climatology's and the store's (WeatherBench-2's own, unless it records another) must
+agree, or the evaluation stops with one line; a side that records none is not checked.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import numpy as np
 import torch
 
 from data.climatology import basis, load_climatology
-from data.era5_names import WIND_COMPONENTS, WIND_SPEED
+from data.era5_names import WIND_COMPONENTS, WIND_SPEED, channel
+from data.humidity import DEFINITIONS
 from evaluation.scores import Normaliser
 from evaluation.wb2_climatology import StoreClimatology
 from utils.config_schema import Config
+from utils.errors import DataError
 from utils.tile import Tile
 
 log = logging.getLogger(__name__)
@@ -37,12 +44,19 @@ class References:
     """Scoring units, channels and references of a config's data (module docstring)."""
 
     def __init__(self, cfg: Config, norm: Normaliser, channels: list[str], tile: Tile,
-                 store: str | None = None):
+                 store: str | None = None, rh_definition: str = ""):
         device = norm.means.device
         rows, cols = tile.rows, tile.cols
         self._tile = tile
         C = len(channels)
-        clim = load_climatology(os.path.dirname(cfg.time_means_path), cfg.img_size)
+        # With a store, only the harmonic climatology's time mean (ws10's) is needed.
+        clim = load_climatology(os.path.dirname(cfg.time_means_path), cfg.img_size,
+                                coefficients=store is None)
+        humidity = [c for c in channels
+                    if (info := channel(c)) is not None and info.variable == "relative_humidity"]
+        if clim is not None:
+            same_humidity(humidity, rh_definition, "the data's test split",
+                          clim.rh_definition, clim.path)
         derive = ((store is not None or (clim is not None and WIND_SPEED.name in clim.channels))
                   and all(c in channels for c in WIND_COMPONENTS))
         self.channels = [*channels, WIND_SPEED.name] if derive else list(channels)
@@ -58,6 +72,8 @@ class References:
         if store is not None:
             self.kind = f"WeatherBench-2 climatology store {store} (day of year x hour)"
             self._store = StoreClimatology(store, self.channels, norm.grid)
+            same_humidity(humidity, rh_definition, "the data's test split",
+                          self._store.rh_definition, f"the climatology store {store}")
             self._coefficients = None
             self.time_mean = self._with_wind(time_mean, clim, rows, cols)
             return
@@ -71,11 +87,16 @@ class References:
             return
         self.kind = "seasonal and diurnal harmonics"
         pick = [clim.channels.index(c) for c in self.channels]
-        coef = torch.from_numpy(clim.coefficients[:, pick][:, :, rows, cols]).to(device)
-        coef = coef / self.scale.float()[None, :, None, None]
+        mean = torch.from_numpy(clim.time_mean[pick][:, rows, cols]).to(device).double()
+        coefficients = clim.coefficients
+        if pick != list(range(len(pick))):  # else no copy: 1.2 GB at 0.25 degrees
+            coefficients = coefficients[:, pick]
+        coef = torch.from_numpy(np.ascontiguousarray(coefficients[:, :, rows, cols]))
+        del clim, coefficients
+        coef = coef.to(device)
+        coef /= self.scale.float()[None, :, None, None]
         coef[0] -= (self.offset / self.scale).float()[:, None, None]  # the constant term
         self._coefficients = coef  # (T, C', rows, cols): the climatology in scored units
-        mean = torch.from_numpy(clim.time_mean[pick][:, rows, cols]).to(device).double()
         self.time_mean = ((mean - self.offset[:, None, None]) / self.scale[:, None, None]
                           ).float()[None, None]
 
@@ -104,23 +125,42 @@ class References:
         u, v = (x[..., c, :, :] * self._std_c[c] + self._mean_c[c] for c in self._wind)
         return torch.cat([x, torch.hypot(u, v).unsqueeze(-3)], dim=-3)
 
+    def plan(self, hours: np.ndarray) -> None:
+        """The valid times (hours since 1970) this rank will ask `climatology` for: a
+        WeatherBench-2 store then reads each of its chunks once."""
+        if self._store is not None:
+            self._store.plan(hours)
+
     def climatology(self, phase: np.ndarray, hour: np.ndarray,
                     hours: np.ndarray | None = None) -> torch.Tensor:
-        """(B, L+1, C', H, W) climatology at each valid time (year fraction `phase` and UTC
-        `hour`; for a WeatherBench-2 store, `hours` since 1970-01-01), or the time mean
-        broadcast as (1, 1, C', H, W) when the data has no climatology."""
+        """(..., C', H, W) climatology at each valid time (year fraction `phase` and UTC
+        `hour`, each (...); for a WeatherBench-2 store, `hours` since 1970-01-01), or the
+        time mean, (1, 1, C', H, W), when the data has no climatology."""
         if self._store is not None:
             fields = self._store.at(hours)[..., self._tile.rows, self._tile.cols]
-            x = torch.from_numpy(fields).to(self.scale.device).double()
+            x = torch.from_numpy(np.ascontiguousarray(fields)).to(self.scale.device)
             shape = (-1, 1, 1)
-            return ((x - self.offset.view(shape)) / self.scale.view(shape)).float()
+            x -= self.offset.float().view(shape)
+            x /= self.scale.float().view(shape)
+            return x
         if self._coefficients is None:
             return self.time_mean
         b = torch.from_numpy(basis(phase, hour)).to(self._coefficients)
-        return torch.einsum("blt,tchw->blchw", b, self._coefficients)
+        return torch.einsum("...t,tchw->...chw", b, self._coefficients)
 
     def physical(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C, H, W) scored fields of the first C channels -> physical units."""
+        """(..., C, H, W) scored fields of the first C channels -> physical units, float32
+        (a float64 copy of a batch's forecasts at 0.25 degrees would be GBs)."""
         C = x.shape[-3]
-        scale, offset = (t[:C].view(-1, 1, 1) for t in (self.scale, self.offset))
-        return (x.double() * scale + offset).float()
+        scale, offset = (t[:C].float().view(-1, 1, 1) for t in (self.scale, self.offset))
+        return x.float() * scale + offset
+
+
+def same_humidity(channels: list[str], ours: str, ours_where: str, theirs: str,
+                  theirs_where: str) -> None:
+    """A DataError if relative humidity channels would be compared across definitions."""
+    if channels and ours in DEFINITIONS and theirs in DEFINITIONS and ours != theirs:
+        raise DataError(f"{', '.join(channels)}: {ours_where} holds {DEFINITIONS[ours]} "
+                        f"relative humidity, {theirs_where} {DEFINITIONS[theirs]}; one is no "
+                        f"reference for the other: prepare the data with --rh_definition "
+                        f"{theirs} (or score against a climatology of {ours})")

@@ -24,7 +24,7 @@ import numpy as np
 from data.era5_names import wb2_units
 from data.forecast import RolloutData
 from data.grid import Grid
-from evaluation.forecast_file import wb2_arrays, wb2_layout
+from evaluation.forecast_file import humidity_attributes, wb2_arrays, wb2_layout
 
 HOUR = np.timedelta64(1, "h")
 
@@ -47,7 +47,8 @@ def write_truth(path: str, data: RolloutData, hours: np.ndarray, grid: Grid,
         ds = xr.Dataset(wb2_arrays(fields, channels, ("time",)), coords={
             **coords, "time": np.datetime64("1970-01-01T00", "ns") + when * HOUR})
         for name in variables:
-            ds[name].attrs["units"] = wb2_units(name)[0]
+            ds[name].attrs.update({"units": wb2_units(name)[0],
+                                   **humidity_attributes(name, data.rh_definition)})
         if start == 0:
             ds.attrs["description"] = ("truth at the forecasts' valid times, in WeatherBench-2's "
                                        "ERA5 layout (evaluation/truth_file.py)")

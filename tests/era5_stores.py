@@ -141,12 +141,14 @@ def _write_zarr(path: Path, ds, chunk_time: int) -> Path:
 def wb2_zarr(path: Path, years: list[int], rows: int = 7, cols: int = 12,
              step_hours: int = 6, days: int | None = None, coarse: bool = False,
              skip: tuple[str, ...] = (), drop_times: int = 0, chunk_time: int = 24,
-             humidity: str = "fraction") -> Path:
+             humidity: str = "fraction", with_q: bool = False) -> Path:
     """A WeatherBench-2 style store (module docstring); `coarse` gives the layout of its
     coarse equiangular grids (ascending without poles, longitude before latitude); `skip`
     leaves channels out (a single-level variable, or a level of a pressure-level one),
-    `drop_times` removes that many times from the middle (a gap). The public stores chunk
-    one time per chunk; `chunk_time` times per chunk keep the tests' small stores quick."""
+    `drop_times` removes that many times from the middle (a gap); `with_q` adds
+    `specific_humidity`, such that ECMWF's relative humidity of it is the known one (the
+    store's `relative_humidity` holds the known values too). The public stores chunk one
+    time per chunk; `chunk_time` times per chunk keep the tests' small stores quick."""
     import xarray as xr
 
     lat, lon = grid(rows, cols, ascending=coarse, poles=not coarse)
@@ -156,6 +158,9 @@ def wb2_zarr(path: Path, years: list[int], rows: int = 7, cols: int = 12,
         when = np.delete(when, np.arange(mid, mid + drop_times))
     single, pressure, levels = _variables(when, lat, lon, False, humidity, skip,
                                           levels=(100, 700, 925))
+    if with_q:
+        q = _variables(when, lat, lon, False, "specific", skip, levels=(100, 700, 925))[1]
+        pressure["specific_humidity"] = q["specific_humidity"]
     hours = (when - EPOCH).astype(np.int64)
     extra = {  # variables no channel needs, with and without a time axis
         "total_precipitation_6hr": (("time", "latitude", "longitude"),
@@ -277,22 +282,27 @@ def clim_known(name: str, day: np.ndarray, hour: np.ndarray, lat: np.ndarray,
 
 
 def wb2_climatology(path: Path, lat: np.ndarray, lon: np.ndarray,
-                    hours: tuple[int, ...] = (0, 6, 12, 18)) -> Path:
+                    hours: tuple[int, ...] = (0, 6, 12, 18), chunked: bool = False,
+                    rh_units: str | None = "1", channels: tuple[str, ...] | None = None
+                    ) -> Path:
     """A climatology store in WeatherBench-2's layout (dayofyear 1 .. 366 x hour, its
-    variable names and units: relative humidity a fraction; 10m_wind_speed; dimensions in
-    its order, hour first), every value `clim_known`."""
+    variable names and units: relative humidity a fraction (`rh_units` None: without a
+    units attribute); 10m_wind_speed; dimensions in its order, hour first), every value
+    `clim_known`; `chunked`: its 0.25-degree store's chunks (3 hours x 3 days x one level
+    x the grid), else one chunk a variable; `channels`: only theirs (and ws10)."""
     import xarray as xr
 
     day, hour = np.arange(1, 367), np.asarray(hours)
     dd, hh = np.meshgrid(day, hour, indexing="ij")
-    levels = sorted({c.level for c in CHANNELS if c.level is not None} | {700})
+    kept = [c for c in CHANNELS if channels is None or c.name in channels]
+    levels = sorted({c.level for c in kept if c.level is not None} | {700})
     data = {}
-    for c in (*CHANNELS, None):
+    for c in (*kept, None):
         name, variable, units = ("ws10", "10m_wind_speed", "m s**-1") if c is None else (
             c.name, c.variable, c.units)
         values = clim_known(name, dd, hh, lat, lon)  # (day, hour, H, W)
         if variable == "relative_humidity":
-            values, units = values / np.float32(100), "1"
+            values, units = values / np.float32(100), rh_units
         if c is None or c.level is None:
             data[variable] = (("dayofyear", "hour", "latitude", "longitude"), values,
                               {"units": units})
@@ -307,7 +317,13 @@ def wb2_climatology(path: Path, lat: np.ndarray, lon: np.ndarray,
         "latitude": ("latitude", np.asarray(lat, np.float64)),
         "longitude": ("longitude", np.asarray(lon, np.float64))})
     ds = ds.transpose("hour", "dayofyear", ...)
-    ds.to_zarr(path, mode="w", zarr_format=2, consolidated=True)
+    for name in ds.data_vars:
+        if ds[name].attrs.get("units") is None:
+            del ds[name].attrs["units"]
+    sizes = {"hour": 3, "dayofyear": 3, "level": 1}
+    encoding = {name: {"chunks": tuple(sizes.get(d, ds.sizes[d]) for d in ds[name].dims)}
+                for name in ds.data_vars} if chunked else None
+    ds.to_zarr(path, mode="w", zarr_format=2, consolidated=True, encoding=encoding)
     return path
 
 

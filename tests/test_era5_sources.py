@@ -228,6 +228,8 @@ def test_a_65_year_store_is_opened_at_the_cost_of_the_year_asked_for(tmp_path):
             whole = [np.datetime64(t, "h") - np.datetime64("1970-01-01T00", "h")
                      for t in ("1959-01-01T00", "2023-01-10T18")]
             assert piece.opened.span == tuple(int(h / np.timedelta64(1, "h")) for h in whole)
+    # A variable's levels share its chunks: one array read per variable, not per level.
+    assert len({id(p) for f in source.fields for p, _ in f.pieces}) == 11
     source.select_year(2016, 8)
     x = source.read(0, 8)
     assert x.shape == (8, 20, 32, 64) and np.isfinite(x).all()

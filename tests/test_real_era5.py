@@ -96,7 +96,7 @@ def evaluated(prepared, tmp_path_factory):
     assert train.returncode == 0, train.output[-3000:]
     zarr = logs / "forecasts.zarr"
     result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
-                                         "--n_initial_conditions=5", "--batch_size=5",
+                                         "--n_initial_conditions=5", "--init_hours=0,12",
                                          f"--save_forecasts={zarr}",
                                          f"--save_truth={logs / 'truth.zarr'}"],
                         data_dir=out, log_dir=logs, timeout=TIMEOUT)
@@ -123,6 +123,8 @@ def test_trained_and_scored_by_region_against_the_seasonal_climatology(evaluated
     assert len(rows) == 1 + 4 * 21 * 5
     assert "climatology: seasonal and diurnal harmonics" in result.stdout
     assert "latitude 90.00 to -78.75" in result.stdout
+    assert ("5 initial conditions from" in result.stdout and "(5 on this rank, 8 at a time: "
+            "chosen for the 16 x 32 grid) at 0, 12 UTC" in result.stdout)
 
 
 @pytest.mark.e2e
@@ -134,6 +136,8 @@ def test_forecasts_are_readable_by_xarray_with_the_right_coordinates(evaluated, 
     ds = xr.open_zarr(zarr)
     assert ds.time.values[0] == np.datetime64("2018-01-01T00", "ns")
     assert ds.sizes["time"] == 5 and list(ds.level.values) == [50, 500, 850, 1000]
+    assert set(ds.time.dt.hour.values) == {0, 12}  # --init_hours 0,12
+    assert ds["relative_humidity"].attrs["rh_definition"] == "wb2"  # the store's own
     np.testing.assert_allclose(ds.latitude.values, np.load(out / "stats" / "latitude.npy")[::-1])
     np.testing.assert_allclose(ds.longitude.values, 11.25 * np.arange(32))
     assert ds["geopotential"].attrs["units"] == "m**2 s**-2"
@@ -181,7 +185,7 @@ def with_wb2_climatology(prepared, evaluated, tmp_path_factory):
     logs = evaluated[2].parent  # LOG_DIR of the trained run
     result = run_script("inference.py", ["--config=tiny", "--lead_steps=4",
                                          "--n_initial_conditions=5", "--batch_size=5",
-                                         f"--climatology={store}",
+                                         "--init_hours=0,12", f"--climatology={store}",
                                          f"--out={logs / 'with_clim'}"],
                         data_dir=out, log_dir=logs, timeout=TIMEOUT)
     assert result.returncode == 0, result.output[-3000:]

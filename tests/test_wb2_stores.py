@@ -25,11 +25,13 @@ from helpers import CONFIG_FILE
 from data import prepare_era5
 from data.era5_names import CHANNEL_NAMES
 from data.forecast import RolloutData
+from data.grid import Grid
 from evaluation.forecast_file import create_store, write_forecasts
+from evaluation.inference_flags import batch_for_grid
 from evaluation.references import References
 from evaluation.scores import Normaliser
 from evaluation.truth_file import write_truth
-from evaluation.wb2_climatology import day_and_hour
+from evaluation.wb2_climatology import StoreClimatology, day_and_hour
 from utils.config import read_config
 from utils.errors import DataError
 from utils.tile import Tile
@@ -181,3 +183,168 @@ def test_a_climatology_store_on_another_grid_is_refused_in_one_line(prepared_wit
     with pytest.raises(DataError, match=r"coarse.zarr: its latitude \(5 values, -90 .. 90\) "
                                         r"has no 67.5, a latitude of the grid scored"):
         References(cfg, norm, list(CHANNEL_NAMES), Tile.whole((8, 16)), store=str(coarse))
+
+
+# ------------------------------------------------------------------ reading the store at size
+def valid_hours(starts: list[str], leads: int) -> np.ndarray:
+    """(len(starts), leads + 1) valid times, hours since 1970, 6 h apart."""
+    first = [np.datetime64(s, "h") - np.datetime64("1970-01-01T00", "h") for s in starts]
+    return np.array([[int(f / np.timedelta64(1, "h")) + 6 * k for k in range(leads + 1)]
+                     for f in first])
+
+
+def expected_climatology(channels, hours, lat, lon) -> np.ndarray:
+    day, hh = day_and_hour(hours)
+    return np.stack([clim_known(c, day, hh, lat, lon) for c in channels], axis=-3)
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    """A climatology store in the 0.25-degree store's chunks (3 days x 3 hours x one
+    level; ~2,700 chunk files) of five channels (four variables, and 10 m wind speed)."""
+    lat, lon = grid(9, 16)
+    return wb2_climatology(tmp_path_factory.mktemp("chunked") / "clim.zarr", lat, lon,
+                           chunked=True, channels=CHUNKED)
+
+
+CHUNKED = ("z500", "t850", "t2m", "r850")
+
+
+def test_the_store_is_read_a_chunk_at_a_time_each_chunk_once(chunked):
+    """Asked for the valid times of two rollouts lead by lead, each (variable, chunk of
+    days x hours) is read once and every value is the store's."""
+    lat, lon = grid(9, 16)
+    store = chunked
+    channels = [*CHUNKED, "ws10"]
+    clim = StoreClimatology(str(store), channels, Grid(lat[:8], lon))
+    hours = valid_hours(["2018-01-01T00", "2018-03-01T12"], 4)
+    clim.plan(hours)
+    for k in range(hours.shape[1]):  # as inference.py asks: every rollout at one lead
+        np.testing.assert_allclose(clim.at(hours[:, k]),
+                                   expected_climatology(channels, hours[:, k], lat[:8], lon),
+                                   rtol=1e-6)
+    day, hh = day_and_hour(hours.ravel())
+    chunks = {((d - 1) // 3, (h // 6) // 3) for d, h in zip(day, hh, strict=True)}
+    assert clim.reads == len(chunks) * 5  # 5 variables, each chunk once
+    assert clim.planes_read == len(set(zip(day, hh, strict=True)))
+    assert clim.cached_bytes() == 0  # every plane dropped after its last use
+
+
+def test_a_small_cache_reads_again_and_gives_the_same_values(chunked):
+    lat, lon = grid(9, 16)
+    store = chunked
+    channels = ["z500", "t2m", "r850"]
+    plane = len(channels) * 8 * 16 * 4
+    clim = StoreClimatology(str(store), channels, Grid(lat[:8], lon), cache_bytes=2 * plane)
+    hours = valid_hours(["2018-06-30T18", "2018-07-01T00"], 6).ravel()  # no plan
+    for h in hours:
+        np.testing.assert_allclose(clim.at(h[None])[0],
+                                   expected_climatology(channels, h, lat[:8], lon), rtol=1e-6)
+        assert clim.cached_bytes() <= 2 * plane
+
+
+def test_relative_humidity_without_units_is_told_a_fraction_by_its_range(tmp_path):
+    lat, lon = grid(9, 16)
+    store = wb2_climatology(tmp_path / "clim.zarr", lat, lon, rh_units=None)
+    clim = StoreClimatology(str(store), ["r500"], Grid(lat[:8], lon))
+    hours = valid_hours(["2018-02-01T06"], 0)[0]
+    np.testing.assert_allclose(clim.at(hours)[0], expected_climatology(
+        ["r500"], hours[0], lat[:8], lon), rtol=1e-6)  # percent, from a fraction
+    assert clim.rh_definition == "wb2"
+
+
+def test_the_store_at_a_gs_url_is_read_anonymously(monkeypatch):
+    """As the data: gcsfs would otherwise try (stale) credentials first."""
+    import xarray as xr
+
+    seen = {}
+
+    def open_dataset(path, **kwargs):
+        seen.update(kwargs)
+        raise FileNotFoundError("no such bucket")
+
+    monkeypatch.setattr(xr, "open_dataset", open_dataset)
+    with pytest.raises(DataError, match="--climatology gs://weatherbench2/x.zarr: not a Zarr"):
+        StoreClimatology("gs://weatherbench2/x.zarr", ["t2m"], Grid(np.zeros(1), np.zeros(1)))
+    assert seen["storage_options"] == {"token": "anon"}
+
+
+def test_a_climatology_of_the_other_humidity_definition_is_refused(tmp_path):
+    """Data prepared with ECMWF's relative humidity against WeatherBench-2's climatology
+    store (its own, over water): one line, naming both and what to do."""
+    source = wb2_zarr(tmp_path / "source.zarr", [2017, 2018], rows=9, cols=16, days=3,
+                      with_q=True)
+    prepare_era5.main([str(source), str(tmp_path / "out"), "--train_years", "2017",
+                       "--test_years", "2018", "--max_samples", "12", "--crop_rows", "8",
+                       "--rh_definition", "ecmwf"])
+    lat, lon = grid(9, 16)
+    store = wb2_climatology(tmp_path / "clim.zarr", lat, lon)
+    cfg = config(tmp_path / "out", (8, 16))
+    data = RolloutData(cfg, cfg.inf_data_path)
+    assert data.rh_definition == "ecmwf"
+    norm = Normaliser(cfg, torch.device("cpu"))
+    References(cfg, norm, data.channel_names(), Tile.whole((8, 16)),  # its own: the same
+               rh_definition=data.rh_definition)
+    with pytest.raises(DataError, match=r"r500, r850: the data's test split holds ECMWF's "
+                                        r"\(IFS, mixed phase\) relative humidity, the "
+                                        r"climatology store .*clim.zarr WeatherBench-2's .* "
+                                        r"prepare the data with --rh_definition wb2") as error:
+        References(cfg, norm, data.channel_names(), Tile.whole((8, 16)), store=str(store),
+                   rh_definition=data.rh_definition)
+    assert "\n" not in str(error.value)
+    data.close()
+
+
+def test_initial_conditions_at_the_hours_asked_for_and_a_lead_read_alone(
+        prepared_with_poles):
+    root, _ = prepared_with_poles
+    cfg = config(root / "out", (8, 16))
+    data = RolloutData(cfg, cfg.inf_data_path)
+    ics = data.pick(4, LEAD, hours=[0, 12])
+    hours = data.valid_times(ics, LEAD)[0]
+    assert sorted(set(hours[:, 0] % 24)) == [0, 12] and len(ics) == 4
+    window = data.read(ics, LEAD)
+    for k in range(LEAD + 1):  # a lead read alone is the window's, bit for bit
+        assert torch.equal(data.read_lead(ics, k), window[:, k])
+    with pytest.raises(DataError, match=r"--init_hours 3: .* has no initial condition at "
+                                        r"those hours of the day \(its samples are at 0, 6, "
+                                        r"12, 18 UTC\)"):
+        data.pick(4, LEAD, hours=[3])
+    data.close()
+
+
+@pytest.mark.parametrize("shape, batch", [((720, 1440), 2), ((721, 1440), 2),
+                                          ((360, 720), 8), ((32, 64), 8)])
+def test_the_default_batch_is_chosen_for_the_grid(shape, batch):
+    assert batch_for_grid(21, *shape) == batch
+
+
+# ------------------------------------------------------------------ crops and weights
+def wb2_lat_weights(latitude: np.ndarray) -> np.ndarray:
+    """WeatherBench-2's `get_lat_weights` on the latitudes it is given (ascending), written
+    out: cells to the midpoints, the first and last reaching the poles, mean 1."""
+    lat = np.deg2rad(np.sort(latitude))
+    bounds = np.concatenate([[-np.pi / 2], (lat[:-1] + lat[1:]) / 2, [np.pi / 2]])
+    w = np.sin(bounds[1:]) - np.sin(bounds[:-1])
+    return (w / w.mean())[::-1]  # north to south, as the data
+
+
+def test_crops_are_weighted_as_scoring_md_says():
+    """A prepared crop (the grid itself) is weighted as WeatherBench-2 weighs it; an
+    img_size crop keeps the whole grid's cell areas: one row off changes ~nothing, a
+    hemisphere gives WeatherBench-2's edge row half of the weight."""
+    from evaluation.regions import latitude_weights
+
+    lat720 = 90.0 - 0.25 * np.arange(720)
+    lon = 0.25 * np.arange(1440)
+    np.testing.assert_allclose(latitude_weights(Grid(lat720, lon)), wb2_lat_weights(lat720),
+                               rtol=1e-12)  # --crop_rows 720: the grid itself
+    one_row = Grid(np.append(lat720, -90.0), lon).crop(720, 1440)
+    ours, theirs = latitude_weights(one_row), wb2_lat_weights(lat720)
+    assert ours[-1] == pytest.approx(0.00685, rel=1e-3)
+    assert theirs[-1] == pytest.approx(0.00771, rel=1e-3)
+    np.testing.assert_allclose(ours[:-1], theirs[:-1], rtol=2e-6)
+    half = Grid(lat720, lon).crop(360, 1440)
+    ours, theirs = latitude_weights(half), wb2_lat_weights(half.latitude)
+    assert ours[-1] / ours.sum() == pytest.approx(0.00437, rel=1e-2)
+    assert theirs[-1] / theirs.sum() == pytest.approx(0.503, rel=1e-2)
