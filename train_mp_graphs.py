@@ -17,7 +17,8 @@ adds on top of train_mp.py:
     creates the loss scale and Adam's state: created inside the capture instead, every
     replay would reset them (the scale to 65536, Adam's moments to 0), so the schema asks
     for at least 3 steps and `check_ready_for_capture` makes sure they exist;
-  - static input/target buffers: each step copies the batch into them, then replays;
+  - static input/target buffers: each step copies the batch into them, then replays (and
+    an ensemble's noise, drawn before each step as train_mp.py draws it, into its own);
   - gradients set to None before capture, so replays write (not accumulate) them;
   - a capturable Adam whose learning rate lives in a tensor, so the LR schedule still works;
   - fp16: GradScaler.step checks for inf/NaN on the host, so with loss scaling the optimizer
@@ -46,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 import train_mp
 from training.run import Training
 from training.script_exit import run_main
-from training.step import Step, forward_backward, optimizer_step
+from training.step import Step, forward_backward, member_noise, optimizer_step
 from utils.config_schema import Config
 from utils.errors import ConfigError
 from utils.model_wrappers import uncompiled
@@ -95,11 +96,12 @@ class GraphedStep(Step):
     def __init__(self, warmup_iters: int):
         self.warmup_iters = warmup_iters
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_noise: torch.Tensor | None = None  # an ensemble's members' noise
 
     def _body(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the eager step's body, and the optimizer step when no
         loss scaling has to look at the gradients on the host first."""
-        loss = forward_backward(run, inp, tar)
+        loss = forward_backward(run, inp, tar, self.static_noise)
         if not run.scaler.is_enabled():
             run.optimizer.step()
         return loss
@@ -117,6 +119,8 @@ class GraphedStep(Step):
             steps = run.cfg.rollout_steps
             tar_shape = shape if steps == 1 else (shape[0], steps, *shape[1:])
             self.static_tar = torch.randn(tar_shape, device=device)
+            noise = member_noise(run, self.static_inp, self.static_tar)  # None: deterministic
+            self.static_noise = None if noise is None else torch.randn_like(noise)
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
                 for _ in range(self.warmup_iters):
@@ -150,6 +154,8 @@ class GraphedStep(Step):
         with run.prof.range("copy batch into static buffers"):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
+            if self.static_noise is not None:
+                self.static_noise.copy_(member_noise(run, inp, tar))
         with run.prof.range("graph replay"):
             self.graph.replay()
         if run.scaler.is_enabled():  # the replay wrote the gradients: keep them there

@@ -142,14 +142,14 @@ def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
 
     from distributed import comm
     from distributed.layout import Layout as RankLayout
-    from networks.loss import build_loss
-    from training.run import build_model, build_optimizer
+    from training.run import build_model, build_optimizer, run_loss
     from training.setup import batch_sizes
     from training.step import Step
+    from utils.parallel_axes import config_sizes
     from utils.precision import choose_precision
 
     run_cfg = cfg.replace(**layout.flags())
-    comm.init(run_cfg.parallel_order, tp=layout.tp, cp=layout.cp, h=layout.h, w=layout.w)
+    comm.init(run_cfg.parallel_order, **config_sizes(run_cfg))
     device = torch.device("cpu")
     rank = RankLayout.of_groups(run_cfg, None, device)
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
@@ -165,9 +165,9 @@ def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
             run = SimpleNamespace(
                 model=model, optimizer=build_optimizer(run_cfg, model), layout=rank,
                 prof=_Ranges(), ctx=SimpleNamespace(precision=precision),
-                loss=build_loss(run_cfg.loss, torch.ones(rank.tile.shape[0]),
-                                rank.sum_over_grid),
-                scaler=rank.grad_scaler(precision))
+                loss=run_loss(run_cfg, rank, torch.ones(rank.tile.shape[0])),
+                scaler=rank.grad_scaler(precision), members=rank.members(run_cfg),
+                progress=SimpleNamespace(iters=0))
             inp, tar = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
             step = Step()
             for _ in range(2):

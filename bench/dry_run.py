@@ -280,12 +280,13 @@ def print_header(args: Any, cfg: Any, model: Any, row: dict[str, Any]) -> None:
           f"{row['gpus']} x {model.gpu.name}, {model.gpus_per_node} per node "
           f"({model.network.name}); local batch {row['local_batch']}, global "
           f"{row['global_batch']}")
-    mp = row["tp"] * row["cp"] * row["h"] * row["w"]
-    per_sample = row["rank_flops"] * mp / row["local_batch"]
+    ranks = row["tp"] * row["cp"] * row["h"] * row["w"] * row["ens"]
+    per_sample = row["rank_flops"] * ranks / row["local_batch"]
     print(f"FLOPs per sample: {row['flops_per_sample'] / 1e12:.3g} T (the model's, "
-          f"networks.training_flops); rank {row['rank']}'s step: "
+          f"networks.training_flops, x the ensemble's members); rank {row['rank']}'s step: "
           f"{row['rank_flops'] / 1e12:.3g} TFLOP counted ({per_sample / 1e12:.3g} T per "
-          f"sample over its model-parallel group), {gb(row['rank_bytes'])} read and written")
+          f"sample over its model-parallel and ens ranks), {gb(row['rank_bytes'])} read "
+          "and written")
     measured = model.calibrated_from
     how = (f", calibrated from {measured:g} samples/s" if measured else
            "" if args.efficiency else " (assumed, not calibrated)")
@@ -297,7 +298,7 @@ def report_fastest(rows: list[dict[str, Any]]) -> None:
     from planning.layouts import Layout
 
     def label(r: dict[str, Any]) -> str:
-        return Layout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "fsdp",
+        return Layout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                            "activation_checkpointing")}).label()
 
     best = next((r for r in rows if r["fastest"]), None)

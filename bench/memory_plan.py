@@ -45,16 +45,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def table(rows: list[dict[str, Any]], device_type: str) -> str:
-    head = ("| dp | tp | cp | h | w | FSDP | recompute | params | grads | Adam | activations "
-            "| comm | allowance | peak | after forward | fits |")
-    lines = [head, "|" + "---:|" * 5 + ":---:|:---:|" + "---:|" * 8 + ":---:|"]
+    axes = ["dp", "tp", "cp", "h", "w"] + (["ens"] if any(r["ens"] > 1 for r in rows) else [])
+    head = ("| " + " | ".join(axes) + " | FSDP | recompute | params | grads | Adam | "
+            "activations | comm | allowance | peak | after forward | fits |")
+    lines = [head, "|" + "---:|" * len(axes) + ":---:|:---:|" + "---:|" * 8 + ":---:|"]
     for r in rows:
         mark = "**fastest**" if r["fastest"] else ("yes" if r["fits"] else "no")
         gb = [r[k] for k in ("parameters_gb", "gradients_gb", "optimizer_gb",
                              "activations_gb", "communication_gb", "allowance_gb",
                              "peak_gb", "after_forward_gb")]
-        lines.append(f"| {r['dp']} | {r['tp']} | {r['cp']} | {r['h']} | {r['w']} "
-                     f"| {'yes' if r['fsdp'] else ''} | {r['activation_checkpointing']} | "
+        lines.append("| " + " | ".join(str(r[a]) for a in axes)
+                     + f" | {'yes' if r['fsdp'] else ''} | {r['activation_checkpointing']} | "
                      + " | ".join(f"{v:.2f}" for v in gb) + f" | {mark} |")
     return "\n".join(lines)
 
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nothing fits {args.gpu_memory_gb:g} GB: more GPUs (a smaller local batch, "
               "more ranks to shard over) or a smaller model")
     else:
-        picked = Layout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "fsdp",
+        picked = Layout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                                 "activation_checkpointing")})
         print(f"fastest that fits (rule: planning/layouts.py): {picked.label()}, "
               f"peak {best['peak_gb']:.1f} GB")

@@ -1,6 +1,7 @@
-"""Named process groups for tensor (tp), context (cp), spatial (h, w) and data (dp) parallelism.
+"""Named process groups for tensor (tp), context (cp), spatial (h, w), ensemble (ens) and data
+(dp) parallelism.
 
-Call `init(order, tp=..., cp=..., h=..., w=...)` once per process after `torch.distributed`
+Call `init(order, tp=..., cp=..., h=..., w=..., ens=...)` once per process after `torch.distributed`
 is initialised (the train scripts do that; `init` initialises it from the launcher's
 environment otherwise).
 It builds, on every process, the groups it belongs to (utils/parallel_axes.py `GROUPS`):
@@ -8,13 +9,15 @@ It builds, on every process, the groups it belongs to (utils/parallel_axes.py `G
     "tp"     ranks that hold different shards of the same layers (heads, MLP columns)
     "cp"     ranks that hold different slices of the token sequence
     "h", "w" ranks that hold different rows / columns of the (lat, lon) token grid (AFNO)
+    "ens"    ranks that hold different members of an ensemble forecast of the same samples
     "dp"     ranks that hold the same model and see different samples (DDP averages here)
     "tp-cp"  tensor x context parallel ranks
     "h-w"    the spatial mesh: ranks that together hold the whole grid
     "mp"     the whole model-parallel group (tp x cp x h x w): one full model replica
+    "mp-ens" the ranks that compute one loss together: "mp" and "ens" (every axis but dp)
 
 Everything also works without torch.distributed (one process): sizes 1, ranks 0, groups None.
-Before `init` on a distributed job the layout is tp = cp = 1 and dp = the whole world
+Before `init` on a distributed job every axis but dp has size 1 and dp is the whole world
 (group None, i.e. torch's default group).
 
 This module also owns process set-up (`init_process`: launcher, device, backend, groups),
@@ -46,7 +49,7 @@ from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
 from utils.errors import ConfigError, LaunchError
 from utils.openmp import threads_per_process
-from utils.parallel_axes import DEFAULT_ORDER, GROUPS, MODEL_PARALLEL, model_parallel_size
+from utils.parallel_axes import DEFAULT_ORDER, GROUPS, mp_ens_size
 
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -107,8 +110,8 @@ def get_group_name(name: str) -> str:
 
 def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool = False,
          **sizes: int) -> None:
-    """Build the process groups of a tp x cp x h x w x dp layout: `sizes` of the model-
-    parallel axes (tp=2, h=2, ...; 1 if not given), dp is what the world leaves.
+    """Build the process groups of a tp x cp x h x w x ens x dp layout: `sizes` of every
+    axis but dp (tp=2, h=2, ens=2, ...; 1 if not given), dp is what the world leaves.
 
     `order` lists the axes fastest-varying first (see distributed.rank_generator). Every process
     must call this with the same arguments: creating a group is collective over the world.
@@ -118,22 +121,23 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     world (`RankGenerator.partitions`: "tp-cp" is "tp" while cp = 1), none for groups of one
     rank, and a partition's groups all at once (`made_at_once`).
     """
-    unknown = sorted(set(sizes) - set(MODEL_PARALLEL))
+    sized = tuple(GROUPS["mp-ens"])  # every axis but dp
+    unknown = sorted(set(sizes) - set(sized))
     if unknown:
-        raise TypeError(f"init() got sizes of {', '.join(unknown)}; the model-parallel axes "
-                        f"are {MODEL_PARALLEL} (dp is what the world leaves)")
+        raise TypeError(f"init() got sizes of {', '.join(unknown)}; the axes with a size are "
+                        f"{sized} (dp is what the world leaves)")
     if not is_distributed():
         env = resolve_launch_env()
         if env.distributed:
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                     init_method=f"tcp://{env.master_addr}:{env.master_port}")
     world = get_world_size()
-    model_parallel = model_parallel_size(sizes)
-    split = " x ".join(str(sizes.get(a, 1)) for a in MODEL_PARALLEL)
-    if min(sizes.values(), default=1) < 1 or world % model_parallel != 0:
-        raise ConfigError(f"world size {world} is not divisible by {' x '.join(MODEL_PARALLEL)}"
+    per_dp_rank = mp_ens_size(sizes)
+    split = " x ".join(str(sizes.get(a, 1)) for a in sized)
+    if min(sizes.values(), default=1) < 1 or world % per_dp_rank != 0:
+        raise ConfigError(f"world size {world} is not divisible by {' x '.join(sized)}"
                           f" = {split}: choose sizes whose product divides it")
-    layout = RankGenerator({**sizes, "dp": world // model_parallel}, order)
+    layout = RankGenerator({**sizes, "dp": world // per_dp_rank}, order)
     rank = get_world_rank()
     reset()
     for name in GROUPS:  # a group of one rank: nothing crosses it, no process group is made
@@ -253,7 +257,7 @@ def reset() -> None:
 
 def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, torch.device]:
     """Join the job (torchrun, SLURM or mpirun), pick the device, build the process groups
-    (`init`: the model-parallel `sizes`, tp=2, ...)."""
+    (`init`: the `sizes` of every axis but dp, tp=2, ens=2, ...)."""
     run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
     if torch.cuda.is_available():

@@ -185,15 +185,47 @@ def sync_shared_gradients(model: nn.Module) -> None:
                 for group_name in MODEL_PARALLEL if comm.get_size(group_name) > 1]
         model._grad_sync_plan = plan
     for group_name, params in plan:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:  # under FSDP, this rank's slice of the gradient (distributed/fsdp.py)
-            if p.grad is not None:
-                grad = fsdp.local(p.grad)
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():  # one message per group and dtype
-            flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)
-            for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(reduced.view_as(g))
+        all_reduce_grads(params, group_name)
+
+
+def sum_gradients_over(model: nn.Module, group_name: str) -> None:
+    """Sum every parameter's gradient over the ranks of `group_name`, in place (ensemble
+    parallelism: each ens rank's gradient comes from its own members' part of the loss, and
+    the full gradient is the sum over the members, so over the ens ranks). Call it after
+    backward, before the optimizer step; like `sync_shared_gradients`, it commutes with
+    DDP's average over dp (both linear)."""
+    if comm.get_size(group_name) > 1:
+        all_reduce_grads(list(model.parameters()), group_name)
+
+
+# Gradients summed in messages of at most this many bytes (DDP's default bucket): one message
+# per parameter would pay a collective's latency ~100 times a step; one for all of them would
+# copy every gradient at once.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def all_reduce_grads(params: Sequence[torch.Tensor], group_name: str,
+                     bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum the gradients of `params` over `group_name`, in place: flattened into buckets of
+    one dtype and at most `bucket_bytes` (a larger gradient is a bucket of its own), one
+    all-reduce each. Under FSDP each rank sums its slice of every gradient."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for p in params:  # under FSDP, this rank's slice of the gradient (distributed/fsdp.py)
+        if p.grad is None:
+            continue
+        grad = fsdp.local(p.grad)
+        bucket, size = open_bucket.get(grad.dtype, ([], 0))
+        if bucket and size + grad.numel() * grad.element_size() > bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(grad)
+        open_bucket[grad.dtype] = (bucket, size + grad.numel() * grad.element_size())
+    buckets += [bucket for bucket, _ in open_bucket.values() if bucket]
+    for grads in buckets:
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group_name)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(reduced.view_as(g))
 
 
 # ------------------------------------------------------------------- sharding and gathering

@@ -29,6 +29,7 @@ from distributed.mappings import (
     scatter_to_parallel_region,
 )
 from networks.kernels import attention
+from networks.noise import NoiseEmbed, NoiseModulation
 
 
 class ColumnParallelLinear(nn.Module):
@@ -154,6 +155,14 @@ class DistributedLayerNorm(nn.LayerNorm):
             annotate(p, None, [seq_group])
 
 
+def per_token(module: nn.Module, seq_group: str = "cp") -> nn.Module:
+    """`module` with its parameters annotated as replicated and applied to each rank's own
+    tokens: their gradients are partial sums over `seq_group` (returned for chaining)."""
+    for p in module.parameters():
+        annotate(p, None, [seq_group])
+    return module
+
+
 class DistributedLayers:
     """Drop-in for `networks.vit.SerialLayers`: tp/cp layers, the cp token split, and the
     sharded initialisation (draw the serial tensor, keep this rank's part)."""
@@ -169,6 +178,14 @@ class DistributedLayers:
 
     def norm(self, dim: int) -> nn.Module:
         return DistributedLayerNorm(dim)
+
+    # An ensemble member's noise conditioning acts on each token on its own, as the norms do:
+    # every rank holds it whole and applies it to its own tokens (a partial gradient over cp).
+    def noise_embed(self, noise_channels: int, cond_dim: int) -> nn.Module:
+        return per_token(NoiseEmbed(noise_channels, cond_dim))
+
+    def noise_modulation(self, cond_dim: int, dim: int) -> nn.Module:
+        return per_token(NoiseModulation(cond_dim, dim))
 
     def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
         return self.tokens.scatter(x)

@@ -10,7 +10,10 @@ all-reduce of the backward adds gradients scaled by different factors. Nothing w
 `AgreedGradScaler` all-reduces the found-inf flags with MAX over the group as soon as the
 scaler has computed them, so every rank of the group steps, or skips and backs off, alike
 (Megatron-LM does the same over its model-parallel group). Data-parallel replicas need no
-such agreement: DDP has averaged their gradients, so an inf on one is an inf on all.
+such agreement: DDP has averaged their gradients, so an inf on one is an inf on all. Nor,
+strictly, do the ranks of an ensemble's members (ens), whose gradients are summed before
+the check; they join the verdict all the same (`Layout.grad_scaler`: every rank that
+shares the loss agrees, whatever the order of the sums).
 
 Every rank of the group joins the all-reduce, also one whose optimizer holds no gradient
 this step (its parameters took no part in the loss): it brings a flag of 0 on the loss

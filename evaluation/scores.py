@@ -30,6 +30,8 @@ from data.era5_names import CHANNEL_NAMES
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor
+from networks.ensemble import VALIDATION, Members
+from networks.rollout import rollout
 from utils.config_schema import Config
 from utils.errors import DataError
 from utils.precision import Precision
@@ -136,8 +138,8 @@ class Normaliser:
 
 @torch.no_grad()
 def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layout: Layout,
-             precision: Precision, norm: Normaliser, max_batches: int | None = None
-             ) -> dict[str, Any]:
+             precision: Precision, norm: Normaliser, max_batches: int | None = None,
+             members: Members | None = None) -> dict[str, Any]:
     """The run's loss (`loss_fn`, in eval mode: `crps` scores the fair CRPS there, not the
     training one, networks/loss.py), latitude-weighted RMSE(u10m) in m/s
     (WeatherBench-2's: the root of the mean over samples of the global weighted MSE, as
@@ -145,14 +147,21 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
     and ACC (anomalies against the time mean) over the validation set, summed over the
     data-parallel ranks and averaged. On a spatial mesh the loader and the model hold this
     rank's tile of every field (the layout's), and the scores are those of the whole grid
-    (collectives over "h-w": every rank of the mesh calls this)."""
+    (collectives over "h-w": every rank of the mesh calls this).
+
+    An ensemble (`members`, this rank's): each sample's members forecast with validation
+    noise keyed by the sample's index in the data set (the same at every validation and on
+    any layout); RMSE and ACC are the ensemble mean's, and `spread_u10m` is the ensemble's
+    spread (WeatherBench-2's: the root of the mean variance over members, unbiased), to be
+    read against the ensemble mean's RMSE (spread/skill: evaluation/ensemble_scores.py)."""
     model.eval()
     loss_fn.eval()
     tile, device = layout.tile, layout.device
     climatology = norm.climatology[..., tile.rows, tile.cols]
     weights = norm.weights[0]  # global
-    # [loss x samples, mse_u10, persistence mse_u10, acc_u10, acc_t2m], summed over samples
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    # [loss x samples, mse_u10, persistence mse_u10, acc_u10, acc_t2m, variance_u10], summed
+    # over samples
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
     samples, first = 0, None
     var_u10 = norm.stds[0, U10, 0, 0].double() ** 2
     u10, both = slice(U10, U10 + 1), [U10, T2M]
@@ -160,24 +169,52 @@ def validate(model: torch.nn.Module, loss_fn: torch.nn.Module, loader: Any, layo
         if max_batches is not None and i >= max_batches:
             break
         inp, tar = inp.to(device, non_blocking=True), tar.to(device, non_blocking=True)
-        with precision.autocast():
-            gen = model(inp)
-        gen = gen.float()
+        if members is None:
+            with precision.autocast():
+                gen = model(inp)
+            gen = gen.float()
+            loss, variance = loss_fn(gen, tar), gen.new_zeros(())
+        else:
+            noise = members.noise(VALIDATION, 0, members.samples(samples, inp.shape[0]), 1,
+                                  device)
+            with precision.autocast():
+                mine = rollout(model, inp, 1, noise)[:, 0]  # (B, M, C, H, W) fp32
+            loss = loss_fn(mine, tar)
+            gen = ensemble_mean(mine, members.size)
+            spread = ensemble_variance(mine[:, :, u10], gen[:, u10], members.size)
+            variance = weighted_mean_channels(spread, weights, tile).sum()
         mse = weighted_mse_channels(gen[:, u10], tar[:, u10], weights, tile)
         persist = weighted_mse_channels(inp[:, u10], tar[:, u10], weights, tile)
         skill = weighted_acc_channels(gen[:, both], tar[:, both], climatology[:, both],
                                       weights, tile)
-        sums += torch.stack([loss_fn(gen, tar) * inp.shape[0], mse.sum(),
-                             persist.sum(), skill[:, 0].sum(), skill[:, 1].sum()]).double()
+        sums += torch.stack([loss * inp.shape[0], mse.sum(), persist.sum(), skill[:, 0].sum(),
+                             skill[:, 1].sum(), variance]).double()
         samples += inp.shape[0]
         if first is None:  # t2m of the first sample: input, target, forecast, whole grid
             maps = whole_field(torch.stack([inp[0, T2M], tar[0, T2M], gen[0, T2M]]), tile)
             first = tuple(m.cpu().numpy() for m in maps)
     totals = comm.sum_over(torch.cat([sums, sums.new_tensor([samples])]), "dp")
-    n = max(totals[5].item(), 1.0)
-    rmse = torch.sqrt(totals[1:3] / n * var_u10).tolist()
+    n = max(totals[6].item(), 1.0)
+    rmse = torch.sqrt(totals[[1, 2, 5]] / n * var_u10).tolist()
     model.train()
     loss_fn.train()
-    return {"loss": totals[0].item() / n, "rmse_u10m": rmse[0],
-            "persistence_rmse_u10m": rmse[1], "acc_u10m": totals[3].item() / n,
-            "acc_t2m": totals[4].item() / n, "samples": n, "example_t2m": first}
+    out = {"loss": totals[0].item() / n, "rmse_u10m": rmse[0],
+           "persistence_rmse_u10m": rmse[1], "acc_u10m": totals[3].item() / n,
+           "acc_t2m": totals[4].item() / n, "samples": n, "example_t2m": first}
+    if members is not None:
+        out["spread_u10m"], out["members"] = rmse[2], members.size
+    return out
+
+
+def ensemble_mean(mine: torch.Tensor, size: int) -> torch.Tensor:
+    """This rank's members (B, M, ...) of an ensemble of `size` -> the mean of all its
+    members (B, ...): a sum over the members, completed over the ens ranks (collective over
+    "ens" where they split the members)."""
+    return comm.sum_over(mine.sum(dim=1), "ens") / size
+
+
+def ensemble_variance(mine: torch.Tensor, mean: torch.Tensor, size: int) -> torch.Tensor:
+    """The unbiased variance over all `size` members (B, ...) of an ensemble whose mean is
+    `mean`, from this rank's members `mine` (B, M, ...) (collective over "ens", as
+    `ensemble_mean`)."""
+    return comm.sum_over((mine - mean.unsqueeze(1)).square().sum(dim=1), "ens") / (size - 1)

@@ -15,6 +15,10 @@ weights, block-diagonal over channels (`num_blocks` independent blocks); shrink 
 threshold (`sparsity_threshold`) on the real and imaginary parts, which sparsifies the
 spectrum; modes above `hard_thresholding_fraction` of each axis are dropped (zero).
 
+An ensemble member (`noise_channels` > 0) also takes its noise, (B, noise_channels, h, w) on
+this rank's token tile, which scales and shifts both norms of every block as in the ViT
+(networks/noise.py): pointwise per token, so a tile's tokens need only their own noise.
+
 The layers that depend on the layout come from `layers`: `SerialGrid` here (one device),
 `distributed.spatial.SpatialLayers` for a token grid split over the h x w mesh. The model
 then works on this rank's tile: its input is the tile's pixels, its output the tile's
@@ -32,8 +36,9 @@ import torch.nn.functional as F
 
 from networks.blocks import run_blocks
 from networks.kernels import patch_conv
+from networks.noise import NoiseEmbed, NoiseModulation, modulate
 from networks.spectral import RealFFT2, kept_modes
-from networks.vit import MLP, init_weights
+from networks.vit import MLP, check_noise, init_weights, noise_keys
 from utils.config_schema import Config
 
 
@@ -99,18 +104,24 @@ class SpectralFilter(nn.Module):
 
 class AFNOBlock(nn.Module):
     """x + filter(norm1(x)) (the filter adds its own input: the double skip), then a
-    pre-norm channel MLP with its residual."""
+    pre-norm channel MLP with its residual. With `cond_dim` (an ensemble member), each
+    norm's output is scaled and shifted by the noise embedding `cond`."""
 
-    def __init__(self, dim: int, mlp_ratio: float, filter_: SpectralFilter):
+    def __init__(self, dim: int, mlp_ratio: float, filter_: SpectralFilter, cond_dim: int = 0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.filter = filter_
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
+        self.noise_mod = NoiseModulation(cond_dim, dim) if cond_dim else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.filter(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        if cond is None:
+            x = x + self.filter(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        scale1, shift1, scale2, shift2 = self.noise_mod(cond)
+        x = x + self.filter(modulate(self.norm1(x), scale1, shift1))
+        return x + self.mlp(modulate(self.norm2(x), scale2, shift2))
 
 
 class AFNONet(nn.Module):
@@ -130,6 +141,8 @@ class AFNONet(nn.Module):
         layers: Any = None,
         seed: int = 0,
         activation_checkpointing: str = "none",
+        noise_channels: int = 0,
+        noise_embed_dim: int = 32,
     ):
         super().__init__()
         self.patch_size, self.out_chans = patch_size, out_chans
@@ -139,28 +152,34 @@ class AFNONet(nn.Module):
         self.tile = layers.tile(self.grid)  # (rows, columns) of tokens on this rank
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, *self.tile, embed_dim))
+        self.noise_channels = noise_channels  # 0: deterministic, no noise taken
+        cond_dim = noise_embed_dim if noise_channels else 0
+        self.noise_embed = NoiseEmbed(noise_channels, cond_dim) if cond_dim else None
         self.blocks = nn.ModuleList(
             AFNOBlock(embed_dim, mlp_ratio, SpectralFilter(
                 embed_dim, num_blocks,
                 layers.spectral_transform(self.grid, hard_thresholding_fraction, num_blocks,
                                           embed_dim // num_blocks),
-                sparsity_threshold, hidden_size_factor))
+                sparsity_threshold, hidden_size_factor), cond_dim)
             for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
         layers.annotate(self)  # before init: a sharded parameter draws its full tensor
         init_weights(self, seed, layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's pixel tile (B, C_in, h p, w p) -> its forecast (B, C_out, h p, w p)."""
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's pixel tile (B, C_in, h p, w p) -> its forecast (B, C_out, h p, w p);
+        an ensemble member's `noise`: (B, noise_channels, h, w), this tile's tokens."""
         p, (h, w) = self.patch_size, self.tile
         if tuple(x.shape[-2:]) != (h * p, w * p):
             raise ValueError(f"input tile {tuple(x.shape[-2:])} != {(h * p, w * p)}: "
                              f"{h} x {w} tokens of patch {p} on this rank")
+        check_noise(noise, self.noise_channels, self.tile)
         # channels last, contiguous once: every later layer acts on the last dim
         x = patch_conv(self.patch_embed, x)  # a bf16 GEMM under CPU autocast: networks.kernels
         x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
-        x = run_blocks(self.blocks, x, self.recompute_blocks)
+        cond = None if noise is None else self.noise_embed(noise.permute(0, 2, 3, 1))
+        x = run_blocks(self.blocks, x, self.recompute_blocks, cond)
         x = self.head(self.norm(x))  # (B, h, w, p*p*C_out)
         x = x.view(x.shape[0], h, w, p, p, self.out_chans)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], self.out_chans, h * p, w * p)
@@ -243,4 +262,5 @@ def afno_from_params(cfg: Config, layers: Any = None) -> AFNONet:
         layers=layers,
         seed=cfg.seed,
         activation_checkpointing=cfg.activation_checkpointing,
+        **noise_keys(cfg),
     )

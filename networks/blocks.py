@@ -22,11 +22,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 
-def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, recompute: bool) -> torch.Tensor:
+def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, recompute: bool,
+               cond: torch.Tensor | None = None) -> torch.Tensor:
     """x through every block in turn; `recompute`: each block's activations are recomputed
     in backward instead of kept (only when a backward can follow: under no_grad there is
-    nothing to keep)."""
+    nothing to keep). `cond`: an ensemble member's noise embedding, given to every block
+    (networks/noise.py); a recompute gets the same tensor, as the noise was drawn before."""
     recompute = recompute and torch.is_grad_enabled()
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        args = (x,) if cond is None else (x, cond)
+        x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
     return x

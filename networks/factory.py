@@ -28,10 +28,13 @@ def build_model(cfg: Config, layers: Any = None) -> nn.Module:
 
 
 def training_flops(cfg: Config) -> int:
-    """Analytic FLOPs of one training sample of the config's network (forward + backward)."""
+    """Analytic FLOPs of one training sample of the config's network (forward + backward):
+    of all its `ensemble_size` members (the noise conditioning's few per cent left out)."""
     shape = (tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels,
              cfg.embed_dim, cfg.depth)
     if cfg.model == "afno":
-        return afno.training_flops_per_sample(*shape, cfg.num_blocks, cfg.mlp_ratio,
-                                              cfg.hard_thresholding_fraction)
-    return vit.training_flops_per_sample(*shape, cfg.mlp_ratio)
+        member = afno.training_flops_per_sample(*shape, cfg.num_blocks, cfg.mlp_ratio,
+                                                cfg.hard_thresholding_fraction)
+    else:
+        member = vit.training_flops_per_sample(*shape, cfg.mlp_ratio)
+    return member * cfg.ensemble_size

@@ -41,7 +41,10 @@ two members, whatever their distance: training uses alpha slightly below 1 (the 
 module picks alpha from its mode, as dropout does: `crps_alpha` in training mode, 1 after
 `.eval()`. The pairwise sum is computed from the sorted members (`member_spread_sum`:
 O(E log E), no E x E tensor). `almost_fair_crps` is a pure function of the whole member set:
-where the members are split over ranks, gather them first, then call it.
+where the members are split over ranks (ensemble parallelism), the layout passes
+`gather_members`, which gathers every rank's members of each sample before the score (the
+layout says how: `distributed.layout.Layout.gather_members`); every rank then computes the
+same loss, and the backward gives each rank the gradient of its own members.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from utils.config_schema import Config
 from utils.errors import ConfigError
 
 SumOverGrid = Callable[[torch.Tensor], torch.Tensor]
+GatherMembers = Callable[[torch.Tensor], torch.Tensor]  # (B, M, ...) -> (B, E, ...)
 
 
 class RelativeL2(torch.autograd.Function):
@@ -169,21 +173,26 @@ class EnsembleCRPS(nn.Module):
     """mean over (B, C, rows, columns) of row_weights[row] CRPS_alpha(pred, target), pred
     (B, E, C, rows, columns) with E >= 2 members, target (B, C, rows, columns); alpha is
     `alpha` in training mode and 1 (the fair score) in eval mode. `row_weights` and
-    `sum_over_grid` as in `LatitudeWeightedMSE`."""
+    `sum_over_grid` as in `LatitudeWeightedMSE`; `gather_members`: where each rank holds
+    some of the members, (B, M, ...) -> (B, E, ...), all of them (differentiable)."""
 
     def __init__(self, row_weights: torch.Tensor, alpha: float,
-                 sum_over_grid: SumOverGrid | None = None):
+                 sum_over_grid: SumOverGrid | None = None,
+                 gather_members: GatherMembers | None = None):
         super().__init__()
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"crps alpha must be in [0, 1], got {alpha}")
         self.register_buffer("row_weights", row_weights.float(), persistent=False)
         self.alpha, self.sum_over_grid = float(alpha), sum_over_grid
+        self.gather_members = gather_members
 
     def current_alpha(self) -> float:
         """The alpha this mode scores with: the training one, or 1 (fair) in eval mode."""
         return self.alpha if self.training else 1.0
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.gather_members is not None:
+            pred = self.gather_members(pred)
         if pred.dim() != target.dim() + 1 or pred.shape[2:] != target.shape[1:]:
             raise ConfigError(f"loss 'crps' scores ensembles: predictions (B, E, C, H, W) and "
                               f"targets (B, C, H, W), got {tuple(pred.shape)} and "
@@ -197,23 +206,26 @@ class EnsembleCRPS(nn.Module):
 
 # The config's `loss` -> the loss of fields with these rows' weights, on a grid whose sums
 # `sum_over_grid` completes (None: the fields are the whole grid), with the config's
-# `crps_alpha` (used by `crps` only).
-LOSSES: dict[str, Callable[[torch.Tensor, SumOverGrid | None, float], nn.Module]] = {
-    "relative_l2": lambda row_weights, sum_over_grid, alpha: RelativeL2Loss(sum_over_grid),
-    "weighted_mse": lambda row_weights, sum_over_grid, alpha: LatitudeWeightedMSE(
+# `crps_alpha` and the members gathered by `gather_members` (both used by `crps` only).
+LOSSES: dict[str, Callable[..., nn.Module]] = {
+    "relative_l2": lambda row_weights, sum_over_grid, alpha, gather: RelativeL2Loss(
+        sum_over_grid),
+    "weighted_mse": lambda row_weights, sum_over_grid, alpha, gather: LatitudeWeightedMSE(
         row_weights, sum_over_grid),
-    "crps": lambda row_weights, sum_over_grid, alpha: EnsembleCRPS(
-        row_weights, alpha, sum_over_grid),
+    "crps": lambda row_weights, sum_over_grid, alpha, gather: EnsembleCRPS(
+        row_weights, alpha, sum_over_grid, gather),
 }
 
 
 def build_loss(name: str, row_weights: torch.Tensor,
                sum_over_grid: SumOverGrid | None = None,
-               crps_alpha: float | None = None) -> nn.Module:
+               crps_alpha: float | None = None,
+               gather_members: GatherMembers | None = None) -> nn.Module:
     """The loss `name` (the config's `loss`) of (B, C, rows, columns) fields ((B, E, C, rows,
     columns) predictions for `crps`) whose rows have `row_weights` (the whole grid's
     latitude weights, or a tile's rows of them); `crps_alpha`: the config's (None: the
-    schema's default)."""
+    schema's default); `gather_members`: the layout's, where ranks hold some of the members
+    of each sample (None: each holds all of them)."""
     if crps_alpha is None:
         crps_alpha = Config.model_fields["crps_alpha"].default
-    return LOSSES[name](row_weights, sum_over_grid, crps_alpha)
+    return LOSSES[name](row_weights, sum_over_grid, crps_alpha, gather_members)

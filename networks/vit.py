@@ -3,6 +3,9 @@
 (B, C, H, W) fields -> patch embedding -> pre-norm transformer blocks -> linear head ->
 unpatchify back to (B, C, H, W). The block's layers come from `layer_factory` so that the
 model-parallel code can swap in distributed versions without touching this file's logic.
+
+An ensemble member (`noise_channels` > 0) also takes its noise, (B, noise_channels, h, w) on
+the token grid, which scales and shifts the norms of every block (networks/noise.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn as nn
 
 from networks.blocks import run_blocks
 from networks.kernels import attention, patch_conv
+from networks.noise import NoiseEmbed, NoiseModulation, modulate
 from utils.config_schema import Config
 
 
@@ -82,6 +86,13 @@ class SerialLayers:
     def norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
 
+    # An ensemble member's noise conditioning (networks/noise.py): per token, like the norms.
+    def noise_embed(self, noise_channels: int, cond_dim: int) -> nn.Module:
+        return NoiseEmbed(noise_channels, cond_dim)
+
+    def noise_modulation(self, cond_dim: int, dim: int) -> nn.Module:
+        return NoiseModulation(cond_dim, dim)
+
     # Context parallelism splits the token sequence between these two calls; one device: no-op.
     def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -101,18 +112,26 @@ class SerialLayers:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). With
+    `cond_dim` (an ensemble member), each norm's output is scaled and shifted by the noise
+    embedding `cond` (networks/noise.py)."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float, layers: Any):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float, layers: Any,
+                 cond_dim: int = 0):
         super().__init__()
         self.norm1 = layers.norm(dim)
         self.attn = layers.attention(dim, num_heads, dropout)
         self.norm2 = layers.norm(dim)
         self.mlp = layers.mlp(dim, int(dim * mlp_ratio), dropout)
+        self.noise_mod = layers.noise_modulation(cond_dim, dim) if cond_dim else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        if cond is None:
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        scale1, shift1, scale2, shift2 = self.noise_mod(cond)
+        x = x + self.attn(modulate(self.norm1(x), scale1, shift1))
+        return x + self.mlp(modulate(self.norm2(x), scale2, shift2))
 
 
 class VisionTransformer(nn.Module):
@@ -130,6 +149,8 @@ class VisionTransformer(nn.Module):
         layers: Any = None,
         seed: int = 0,
         activation_checkpointing: str = "none",
+        noise_channels: int = 0,
+        noise_embed_dim: int = 32,
     ):
         super().__init__()
         self.img_size = tuple(img_size)
@@ -141,19 +162,34 @@ class VisionTransformer(nn.Module):
         self.h, self.w = self.patch_embed.grid
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
+        self.noise_channels = noise_channels  # 0: deterministic, no noise taken
+        cond_dim = noise_embed_dim if noise_channels else 0
+        self.noise_embed = layers.noise_embed(noise_channels, cond_dim) if cond_dim else None
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, dropout, layers) for _ in range(depth)
+            Block(embed_dim, num_heads, mlp_ratio, dropout, layers, cond_dim)
+            for _ in range(depth)
         )
         self.norm = layers.norm(embed_dim)
         self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
         init_weights(self, seed, layers)
         layers.replicated(self.patch_embed, self.pos_embed, self.head)  # outside the token split
 
-    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+    def condition(self, noise: torch.Tensor | None) -> torch.Tensor | None:
+        """A member's noise (B, noise_channels, h, w) on the whole token grid -> its
+        embedding (B, N, noise_embed_dim) on this rank's tokens (split as the tokens are);
+        None for a deterministic model."""
+        check_noise(noise, self.noise_channels, (self.h, self.w))
+        if noise is None:
+            return None
+        tokens = noise.flatten(2).transpose(1, 2)  # (B, N, noise_channels), the tokens' order
+        return self.noise_embed(self.layer_factory.scatter_tokens(tokens))
+
+    def forward_tokens(self, x: torch.Tensor, noise: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """(B, C, H, W) -> normalised tokens (B, N, D)."""
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
         x = self.layer_factory.scatter_tokens(x)
-        x = run_blocks(self.blocks, x, self.recompute_blocks)
+        x = run_blocks(self.blocks, x, self.recompute_blocks, self.condition(noise))
         return self.layer_factory.gather_tokens(self.norm(x))
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,8 +198,22 @@ class VisionTransformer(nn.Module):
         x = x.view(B, self.h, self.w, p, p, C)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, self.h * p, self.w * p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.unpatchify(self.head(self.forward_tokens(x)))
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, C, H, W) -> the forecast (B, C, H, W); an ensemble member's `noise`:
+        (B, noise_channels, h, w) on the token grid."""
+        return self.unpatchify(self.head(self.forward_tokens(x, noise)))
+
+
+def check_noise(noise: torch.Tensor | None, channels: int, tiles: tuple[int, int]) -> None:
+    """A model conditioned on `channels` noise channels (0: none) takes noise of
+    (B, channels, *tiles), tokens on its grid or tile; a deterministic model takes none."""
+    if channels == 0 and noise is not None:
+        raise ValueError("a deterministic model (noise_channels 0) takes no noise")
+    if channels and noise is None:
+        raise ValueError("an ensemble member needs its noise (networks/ensemble.py draws it)")
+    if noise is not None and (noise.dim() != 4 or tuple(noise.shape[1:]) != (channels, *tiles)):
+        raise ValueError(f"noise of shape {tuple(noise.shape)}, expected (B, {channels}, "
+                         f"{tiles[0]}, {tiles[1]}): noise channels on the token grid")
 
 
 def init_weights(model: nn.Module, seed: int = 0, layers: Any = None) -> None:
@@ -173,7 +223,8 @@ def init_weights(model: nn.Module, seed: int = 0, layers: Any = None) -> None:
     full serial tensor (one parameter at a time, so memory stays small) and keeps its
     part (`layers.full_shape` / `layers.local_part`), so train_mp.py with any tp/cp starts
     from exactly the weights train.py uses.
-    Weights ~ N(0, 0.02) truncated at 2 std, biases 0, LayerNorm scales 1.
+    Weights ~ N(0, 0.02) truncated at 2 std (a layer that sets `init_std`: that std), biases
+    0, LayerNorm scales 1; a layer that sets `zero_init` is all zeros (networks/noise.py).
     """
     layers = layers or SerialLayers()
     for module_name, module in model.named_modules():
@@ -182,11 +233,12 @@ def init_weights(model: nn.Module, seed: int = 0, layers: Any = None) -> None:
             shape = layers.full_shape(p)
             if isinstance(module, nn.LayerNorm):
                 full = torch.ones(shape) if pname == "weight" else torch.zeros(shape)
-            elif pname == "bias":
+            elif pname == "bias" or getattr(module, "zero_init", False):
                 full = torch.zeros(shape)
             else:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = _truncated_normal(shape, std=0.02, generator=gen)
+                full = _truncated_normal(shape, std=getattr(module, "init_std", 0.02),
+                                         generator=gen)
             with torch.no_grad():
                 p.copy_(layers.local_part(full, p))
 
@@ -244,4 +296,13 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
         layers=layers,
         seed=cfg.seed,
         activation_checkpointing=cfg.activation_checkpointing,
+        **noise_keys(cfg),
     )
+
+
+def noise_keys(cfg: Config) -> dict[str, int]:
+    """The noise conditioning of the config's model: none for a deterministic forecast
+    (ensemble_size 1), else `noise_channels` channels embedded `noise_embed_dim` wide."""
+    if cfg.ensemble_size == 1:
+        return {"noise_channels": 0}
+    return {"noise_channels": cfg.noise_channels, "noise_embed_dim": cfg.noise_embed_dim}

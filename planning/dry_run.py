@@ -42,7 +42,7 @@ from planning.time_model import Placement
 from training.setup import batch_sizes
 from utils.config_schema import Config
 from utils.errors import ConfigError, UserError
-from utils.parallel_axes import GROUPS, MODEL_PARALLEL, NAMES, config_sizes, model_parallel_size
+from utils.parallel_axes import GROUPS, NAMES, config_sizes, mp_ens_size
 
 
 @dataclass
@@ -70,14 +70,14 @@ class Job:
         self.cfg, self.gpus, self.gpus_per_node = cfg, gpus, gpus_per_node
         self.device_type = device_type
         sizes = config_sizes(cfg)
-        mp = model_parallel_size(sizes)
-        split = " x ".join(str(sizes[a]) for a in MODEL_PARALLEL)
-        if gpus < 1 or gpus % mp:
-            raise UserError(f"--gpus {gpus} is not divisible by tp x cp x h x w = {split}: "
+        per_dp_rank = mp_ens_size(sizes)
+        split = " x ".join(str(sizes[a]) for a in sizes)
+        if gpus < 1 or gpus % per_dp_rank:
+            raise UserError(f"--gpus {gpus} is not divisible by {' x '.join(sizes)} = {split}: "
                             "give a multiple of their product")
         if gpus_per_node < 1:
             raise UserError(f"--gpus_per_node {gpus_per_node}: expected a positive number")
-        self.dp = gpus // mp
+        self.dp = gpus // per_dp_rank
         try:
             self.local_batch, self.global_batch = batch_sizes(cfg, self.dp)
         except ConfigError as e:

@@ -3,8 +3,11 @@
     for layout in layouts(cfg, gpus=16): ...           # every split the schema accepts
     rows = plan_all(cfg, 16, gpu_memory_gb=40, gpus_per_node=4, device_type="cuda")
 
-A layout: tp x cp for the ViT, h x w for the AFNO, dp what is left and dividing the global
-batch; DDP, or FSDP when dp > 1; activation checkpointing none or blocks. Its row: one
+A layout: tp x cp for the ViT, h x w for the AFNO, ens (an ensemble's members split over
+ranks; any divisor of ensemble_size), dp what is left and dividing the global batch; DDP, or
+FSDP when dp > 1; activation checkpointing none or blocks. A rank computes local batch x
+ensemble_size / ens members: memory grows with the ensemble, and ens is how a job trades
+data-parallel ranks (samples) for members. Its row: one
 rank's peak memory from the planner's trace (planning/memory.py) split into
 parameters, gradients, optimizer state, activations and communication buffers, plus on a
 GPU the stated allowance for what no tensor shows (planning/memory.py: one place, and how
@@ -16,9 +19,12 @@ memory. The fastest layout that fits, by this rule, in order (`fastest_key`):
      step (docs/memory.md has the measured cost);
   3. fewer model-parallel ranks: each split adds collectives to every block and makes the
      matmuls smaller;
-  4. DDP before FSDP: FSDP gathers the parameters once more per step (1.5 times DDP's
+  4. fewer ens ranks: at a given number of GPUs and global batch each rank computes as many
+     members either way, and the members split over ens add a gradient all-reduce (over
+     ens, beside dp's) and a gather of the forecasts to every step;
+  5. DDP before FSDP: FSDP gathers the parameters once more per step (1.5 times DDP's
      traffic) and its gathers wait in front of the blocks;
-  5. the smaller peak.
+  6. the smaller peak.
 The time model (planning/time_model.py, `python -m bench.dry_run --layouts all`) ranks the
 layouts that fit by their predicted samples/s instead.
 GB in the rows are GiB (2^30 bytes), as torch.cuda reports them.
@@ -40,7 +46,7 @@ from planning.memory import GIB, Estimate, allowance_gib, trace_layout
 from training.setup import batch_sizes
 from utils.config_schema import Config
 from utils.errors import ConfigError
-from utils.parallel_axes import AXES
+from utils.parallel_axes import AXES, config_sizes, mp_ens_size
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Layout:
     cp: int = 1
     h: int = 1
     w: int = 1
+    ens: int = 1
     fsdp: bool = False
     activation_checkpointing: str = "none"
 
@@ -62,19 +69,21 @@ class Layout:
     def flags(self) -> dict[str, Any]:
         """The config keys that run this layout."""
         return {"tp": self.tp, "cp": self.cp, "h_parallel_size": self.h,
-                "w_parallel_size": self.w, "fsdp": self.fsdp,
-                "activation_checkpointing": self.activation_checkpointing}
+                "w_parallel_size": self.w, "ensemble_parallel_size": self.ens,
+                "fsdp": self.fsdp, "activation_checkpointing": self.activation_checkpointing}
 
     @classmethod
     def of(cls, cfg: Config, gpus: int) -> Layout:
         """The layout `cfg` runs in on `gpus` ranks."""
-        mp = cfg.tp * cfg.cp * cfg.h_parallel_size * cfg.w_parallel_size
-        return cls(gpus // mp, cfg.tp, cfg.cp, cfg.h_parallel_size, cfg.w_parallel_size,
-                   cfg.fsdp, cfg.activation_checkpointing)
+        per_dp_rank = mp_ens_size(config_sizes(cfg))
+        return cls(gpus // per_dp_rank, cfg.tp, cfg.cp, cfg.h_parallel_size,
+                   cfg.w_parallel_size, cfg.ensemble_parallel_size, cfg.fsdp,
+                   cfg.activation_checkpointing)
 
     def label(self) -> str:
         split = " x ".join(f"{a} {n}" for a, n in (("tp", self.tp), ("cp", self.cp),
-                                                   ("h", self.h), ("w", self.w)) if n > 1)
+                                                   ("h", self.h), ("w", self.w),
+                                                   ("ens", self.ens)) if n > 1)
         return (f"dp {self.dp}{' FSDP' if self.fsdp else ''}"
                 f"{' x ' + split if split else ''}"
                 f"{', recompute' if self.activation_checkpointing != 'none' else ''}")
@@ -108,7 +117,7 @@ def layouts(cfg: Config, gpus: int) -> list[Layout]:
             for ac in recompute_choices():
                 found.append(Layout(dp, fsdp=fsdp, activation_checkpointing=ac, **named))
     return sorted(found, key=lambda lay: (lay.model_parallel, lay.tp, lay.cp, lay.h, lay.w,
-                                          lay.fsdp, lay.activation_checkpointing))
+                                          lay.ens, lay.fsdp, lay.activation_checkpointing))
 
 
 def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str
@@ -127,7 +136,7 @@ def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str
 def plan(cfg: Config, layout: Layout, device_type: str) -> dict[str, Any]:
     """One layout's row, traced as rank 0 of the fake world this process is in."""
     run_cfg = cfg.replace(**layout.flags())
-    comm.init(run_cfg.parallel_order, tp=layout.tp, cp=layout.cp, h=layout.h, w=layout.w)
+    comm.init(run_cfg.parallel_order, **config_sizes(run_cfg))
     rank = RankLayout.of_groups(run_cfg, None, torch.device("cpu"))
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     return {**asdict(layout), "amp_mode": cfg.amp_mode, "local_batch": local_batch,
@@ -138,7 +147,7 @@ def fastest_key(row: dict[str, Any], gpus_per_node: int) -> tuple:
     """The module docstring's rule, as a sort key (smallest first)."""
     model_parallel = row["tp"] * row["cp"] * row["h"] * row["w"]
     return (model_parallel > gpus_per_node, row["activation_checkpointing"] != "none",
-            model_parallel, row["fsdp"], row["peak_gb"])
+            model_parallel, row["ens"], row["fsdp"], row["peak_gb"])
 
 
 def plan_all(cfg: Config, gpus: int, gpu_memory_gb: float, gpus_per_node: int,

@@ -14,7 +14,7 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
     under `MemTracker` (`FSDPMemTracker` under FSDP), which sorts every tensor alive into
     parameters, gradients, optimizer state, activations (and temporaries) and, under FSDP,
     the all-gather and reduce-scatter buffers; the step's profiler ranges (forward,
-    backward, model-parallel gradient reduction, optimizer) mark its phases, and the
+    backward, gradient sums over mp and ens, optimizer) mark its phases, and the
     tracker keeps the peak of each;
   - collectives on fake tensors move nothing: one rank traces alone, on the process groups
     of a running job or on a fake world of any size (planning/fake_world.py); traced as on
@@ -50,7 +50,7 @@ import networks
 from distributed import comm, fsdp
 from distributed.layout import Layout
 from networks import kernels
-from networks.loss import build_loss
+from training.run import run_loss
 from training.step import Step
 from utils.config_schema import Config
 from utils.precision import Precision, auto_amp_mode
@@ -231,8 +231,9 @@ def _trace(cfg: Config, layout: Layout, local_batch: int,
         run = SimpleNamespace(  # amp_mode: the run's, resolved by trace_layout
             model=model, optimizer=optimizer, layout=layout, prof=_Phases(tracker),
             ctx=SimpleNamespace(precision=Precision(cfg.amp_mode, "cpu")),
-            loss=build_loss(cfg.loss, torch.ones(tile[0]), layout.sum_over_grid),
-            scaler=torch.amp.GradScaler("cpu", enabled=False))
+            loss=run_loss(cfg, layout, torch.ones(tile[0])),
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+            members=layout.members(cfg), progress=SimpleNamespace(iters=0))
         target = ((cfg.rollout_steps,) if cfg.rollout_steps > 1 else ()) + (cfg.n_out_channels,)
         step = Step()
         gloo = _GlooCopies() if device_type == "cpu" else contextlib.nullcontext()

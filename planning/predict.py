@@ -34,7 +34,7 @@ def role_row(job: Job, role: Role, model: TimeModel) -> dict[str, Any]:
     peak = role.memory.get("peak_gb")
     return {
         "gpus": job.gpus, "rank": role.rank, "coords": role.coords,
-        **{a: sizes[a] for a in ("dp", "tp", "cp", "h", "w")},
+        **{a: sizes[a] for a in ("dp", "tp", "cp", "h", "w", "ens")},
         "fsdp": role.fsdp, "activation_checkpointing": job.cfg.activation_checkpointing,
         "amp_mode": job.cfg.amp_mode, "local_batch": job.local_batch,
         "global_batch": job.global_batch,

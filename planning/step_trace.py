@@ -20,8 +20,9 @@ What a fake step cannot run is written down from what it shows:
     each as soon as its last gradient is: `ddp_buckets` asks PyTorch's own bucketing for
     that order and bucket cap, and each bucket's all-reduce is placed where its last
     gradient was accumulated (tests/test_dry_run.py compares them with a real DDP job);
-  - under fp16, the loss scaler's overflow verdict agreed over the ranks that hold parts of
-    a model (distributed/loss_scaling.py): one 4-byte all-reduce per step.
+  - under fp16, the loss scaler's overflow verdict agreed over the ranks that share a loss
+    (a model's shards, an ensemble's members: `Layout.overflow_group`;
+    distributed/loss_scaling.py): one 4-byte all-reduce per step.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import networks
 from distributed import comm, fsdp
 from distributed.layout import Layout
 from networks import kernels
-from networks.loss import build_loss
 from planning.collectives import RESULTS, Collective, CollectiveRecorder, tensor_bytes
+from training.run import run_loss
 from training.step import Step
 from utils.config_schema import Config
 from utils.precision import Precision
@@ -200,7 +201,8 @@ def step_run(cfg: Config, layout: Layout, model: nn.Module, optimizer: torch.opt
              prof: Any, device_type: str) -> SimpleNamespace:
     """What training/step.py's step reads of a run (`training.run.Training`): the model,
     optimizer, layout, profiler, precision (autocast as on `device_type`'s kernels, on CPU
-    tensors) and the config's loss; no loss scaling (its verdict reads a value)."""
+    tensors), the config's loss and an ensemble's members; no loss scaling (its verdict
+    reads a value)."""
     mode = cfg.amp_mode
     if mode == "auto":  # every GPU the planner knows runs bf16 natively; a CPU here: fp32
         mode = "bf16" if device_type == "cuda" else "none"
@@ -208,8 +210,9 @@ def step_run(cfg: Config, layout: Layout, model: nn.Module, optimizer: torch.opt
     return SimpleNamespace(
         model=model, optimizer=optimizer, layout=layout, prof=prof,
         ctx=SimpleNamespace(precision=Precision(mode, "cpu")),
-        loss=build_loss(cfg.loss, torch.ones(tile[0]), layout.sum_over_grid),
-        scaler=torch.amp.GradScaler("cpu", enabled=False))
+        loss=run_loss(cfg, layout, torch.ones(tile[0])),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        members=layout.members(cfg), progress=SimpleNamespace(iters=0))
 
 
 def batch(cfg: Config, layout: Layout, local_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +263,7 @@ def trace_step(cfg: Config, layout: Layout, local_batch: int,
         FakeTensorMode.cache_clear()
     if uses_ddp(cfg, layout):
         trace.events = with_ddp_buckets(trace.events, params, cfg.bucket_cap_mb)
-    if cfg.amp_mode == "fp16" and (layout.is_model_parallel or layout.fsdp):
+    if cfg.amp_mode == "fp16" and (layout.shares_loss or layout.fsdp):
         trace.events = with_overflow_verdict(trace.events, layout)
     return trace
 
@@ -302,7 +305,7 @@ def with_ddp_buckets(events: list[Any], params: list[torch.Tensor],
 def with_overflow_verdict(events: list[Any], layout: Layout) -> list[Any]:
     """`events` with fp16's overflow verdict, agreed over the group `Layout.grad_scaler`
     names (a found-inf flag of 4 bytes, all-reduced with MAX), at the optimizer's start."""
-    group = comm.get_group("mp") if not layout.fsdp else dist.group.WORLD
+    group = layout.overflow_group or dist.group.WORLD
     call = Collective("all_reduce", tuple(dist.get_process_group_ranks(group)), 4)
     n = next((n for n, e in enumerate(events) if e == Phase("optimizer")), len(events))
     return [*events[:n + 1], call, *events[n + 1:]]

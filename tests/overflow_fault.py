@@ -39,6 +39,7 @@ def main() -> None:
 
     from distributed import comm
     from training import step as step_module
+    from training.run import Training
 
     inner, inner_backward = step_module.optimizer_step, step_module.forward_backward
 
@@ -56,16 +57,18 @@ def main() -> None:
         grad.view(-1)[0] = float("inf")
         return grad
 
-    def forward_backward(run, inp, tar):  # noqa: ANN001, ANN202
-        p = faulty_param(run) if in_backward else None
+    def forward_backward(run, inp, tar, noise=None):  # noqa: ANN001, ANN202
+        p = faulty_param(run) if in_backward and isinstance(run, Training) else None
         hook = p.register_hook(inf_first) if p is not None else None
         try:
-            return inner_backward(run, inp, tar)
+            return inner_backward(run, inp, tar, noise)
         finally:
             if hook is not None:
                 hook.remove()
 
     def optimizer_step(run, zero_grad: bool = True) -> None:  # noqa: ANN001
+        if not isinstance(run, Training):  # the memory planner's trace of a step: not a step
+            return inner(run, zero_grad)
         iters = run.progress.iters
         p = None if in_backward else faulty_param(run)
         if p is not None:  # under FSDP, this rank's slice of the gradient

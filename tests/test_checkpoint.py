@@ -29,6 +29,7 @@ from training.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
+    load_weights,
     resolve_resume,
 )
 from training.guard import NonFiniteLoss
@@ -336,6 +337,42 @@ def test_a_checkpoint_of_another_model_config_names_the_mismatch(params, tmp_pat
         Run(params.replace(embed_dim=64), tmp_path / "resume").ckpt.restore(path)
     message = one_line(e.value)
     assert path in message and "embed_dim=32" in message and "embed_dim=64" in message
+
+
+def _ensemble(params):
+    return params.replace(loss="crps", ensemble_size=4)
+
+
+def test_a_deterministic_checkpoint_starts_an_ensemble_only_as_a_fine_tune(params, tmp_path,
+                                                                          caplog):
+    """--resume refuses it in one line naming --init_from; init_from loads it (said in the
+    log), and the ensemble then computes the deterministic model, whatever its noise."""
+    path = _saved(params, tmp_path)
+    ensemble = Run(_ensemble(params), tmp_path / "resume")
+    with pytest.raises(CheckpointError) as e:
+        ensemble.ckpt.restore(path)
+    message = one_line(e.value)
+    for word in (path, "deterministic model", "an ensemble of 4", f"--init_from {path}"):
+        assert word in message, (word, message)
+    with caplog.at_level(logging.INFO):
+        load_weights(path, _ensemble(params), ensemble.model, layout_of(params))
+    assert "Fine-tuning a deterministic model into an ensemble of 4" in caplog.text
+    deterministic = vit_from_params(params)
+    load_weights(path, params, deterministic, layout_of(params))
+    x, noise = torch.randn(2, 20, 16, 32), torch.randn(2, 4, 4, 8)
+    assert torch.equal(ensemble.model(x, noise), deterministic(x))
+
+
+def test_an_ensemble_checkpoint_is_refused_by_a_deterministic_model(params, tmp_path):
+    path = Run(_ensemble(params), tmp_path / "src").ckpt.save(Progress(1, 1, 1))
+    for load in (lambda: Run(params, tmp_path / "resume").ckpt.restore(path),
+                 lambda: load_weights(path, params, vit_from_params(params), layout_of(params))):
+        with pytest.raises(CheckpointError) as e:
+            load()
+        message = one_line(e.value)
+        assert path in message and "ensemble_size 4" in message, message
+    # ... and resumes an ensemble of another size: its tensors are the same
+    Run(_ensemble(params).replace(ensemble_size=2), tmp_path / "resume2").ckpt.restore(path)
 
 
 # ----------------------------------------------------------------- --resume

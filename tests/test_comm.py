@@ -44,7 +44,7 @@ def test_documented_order() -> None:
     assert gen.get_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert gen.get_ranks("tp-cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert gen.coords(6) == {"tp": 0, "cp": 1, "h": 0, "w": 0, "dp": 1}
+    assert gen.coords(6) == {"tp": 0, "cp": 1, "h": 0, "w": 0, "ens": 0, "dp": 1}
     # "dp-tp-cp": dp fastest, then tp, then cp
     gen = RankGenerator({"tp": 2, "cp": 2, "dp": 2}, "dp-tp-cp")
     assert gen.get_ranks("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -71,11 +71,11 @@ def test_without_torch_distributed() -> None:
     assert (comm.get_world_size(), comm.get_world_rank(), comm.is_distributed()) == (1, 0, False)
     comm.init(tp=1, cp=1)
     assert comm.get_size("tp-cp") == 1 and comm.get_group("dp") is None
-    with pytest.raises(ValueError, match=r"world size 1 .* tp x cp x h x w = 2 x 1 x 1 x 1"):
+    with pytest.raises(ValueError, match=r"world size 1 .* tp x cp x h x w x ens = 2 x 1 x 1"):
         comm.init(tp=2, cp=1)
     with pytest.raises(KeyError, match="unknown process group"):
         comm.get_size("pp")
-    with pytest.raises(TypeError, match=r"sizes of pp; the model-parallel axes are \('tp'"):
+    with pytest.raises(TypeError, match=r"sizes of pp; the axes with a size are \('tp'"):
         comm.init(pp=2)
     comm.reset()
 
@@ -181,14 +181,20 @@ def test_spatial_mesh_groups() -> None:
 
 
 def test_start_up_makes_each_partition_of_the_world_once_and_no_group_of_one_rank() -> None:
-    # tp 4 x dp 256 (1,024 ranks): "tp-cp" and "mp" are the tp groups, cp, h and w have one
-    # rank each: two partitions, each made at once (on NCCL one communicator split each)
+    # tp 4 x dp 256 (1,024 ranks): "tp-cp", "mp" and "mp-ens" are the tp groups, cp, h, w
+    # and ens have one rank each: two partitions, each made at once (on NCCL one
+    # communicator split each)
     parts = RankGenerator({"tp": 4, "dp": 256}).partitions()
-    assert [names for names, _ in parts] == [("tp", "tp-cp", "mp"), ("dp",)]
+    assert [names for names, _ in parts] == [("tp", "tp-cp", "mp", "mp-ens"), ("dp",)]
     assert [(len(groups), len(groups[0])) for _, groups in parts] == [(256, 4), (4, 256)]
     gen = RankGenerator({"h": 2, "w": 2, "dp": 2})
     assert {names: groups for names, groups in gen.partitions()} == {
         ("h",): gen.get_ranks("h"), ("w",): gen.get_ranks("w"), ("dp",): gen.get_ranks("dp"),
-        ("h-w", "mp"): gen.get_ranks("mp")}
+        ("h-w", "mp", "mp-ens"): gen.get_ranks("mp")}
+    # an ensemble's members over ens: "ens" its own partition, "mp-ens" the tp and ens ranks
+    gen = RankGenerator({"tp": 2, "ens": 2, "dp": 2}, "tp-ens-dp")
+    assert [names for names, _ in gen.partitions()] == [("tp", "tp-cp", "mp"), ("ens",),
+                                                        ("dp",), ("mp-ens",)]
+    assert gen.get_ranks("mp-ens") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert RankGenerator({"dp": 8}).partitions() == [(("dp",), [list(range(8))])]
     assert RankGenerator({"dp": 1}).partitions() == []

@@ -65,7 +65,7 @@ CASES = {
     "seed_flag_negative": (TINY, ["--seed", "-1"],
                            ["--seed -1", "expected int in [0, 4294967295]"]),
     "parallel_order_flag_unknown": (TINY, ["--parallel_order", "foo"],
-                                    ["--parallel_order foo", "axes from tp, cp, h, w, dp"]),
+                                    ["--parallel_order foo", "axes from tp, cp, h, w, ens, dp"]),
     "duplicate_key_under_a_merge_key": (TINY + "  lr: 1.0e-3\n  lr: 2.0e-3", [],
                                         ["duplicate key 'lr'", "{file}:", "first at line"]),
     "lr_schedule_key_misspelled": (TINY + "  lr_shedule: constant", [],
@@ -103,6 +103,21 @@ CASES = {
                                            "img_size 16x32 with patch_size 4"]),
     "afno_more_w_ranks_than_channel_blocks": (TINY_AFNO, ["--w_parallel_size", "8"],
                                               ["w_parallel_size 8 is larger than num_blocks 4"]),
+    # ensembles: a CRPS of one member, members the ens ranks cannot share, an ensemble
+    # trained with a deterministic loss; and the rank order that forgets ens
+    "crps_with_one_member": (TINY + "  loss: crps", ["--ensemble_size", "1"],
+                             ["loss crps scores an ensemble, but ensemble_size is 1",
+                              "set ensemble_size > 1"]),
+    "ensemble_not_divisible_by_ens": (TINY + "  loss: crps\n  parallel_order: tp-cp-ens-dp",
+                                      ["--ensemble_size", "3", "--ensemble_parallel_size", "2"],
+                                      ["ensemble_size 3 is not divisible by "
+                                       "ensemble_parallel_size 2"]),
+    "ensemble_with_mse": (TINY + "  loss: weighted_mse", ["--ensemble_size", "4"],
+                          ["ensemble_size 4 trains an ensemble, which loss weighted_mse cannot "
+                           "score", "use loss crps"]),
+    "parallel_order_leaves_out_ens": (TINY + "  loss: crps", ["--ensemble_parallel_size", "2"],
+                                      ["parallel_order 'tp-cp-dp' leaves out ens",
+                                       "ensemble_parallel_size > 1", "e.g. 'tp-cp-ens-dp'"]),
 }
 
 

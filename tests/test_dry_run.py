@@ -1,7 +1,8 @@
 """The dry run (planning/, `python -m bench.dry_run`) against real jobs, and its parts.
 
   - On 4 gloo ranks, every layout of the issue in one launch: dp 2 x tp 2, dp 2 x cp 2
-    (ViT), h 2 x w 2 (AFNO), FSDP over dp 4, each with and without recompute, uneven
+    (ViT), h 2 x w 2 (AFNO), FSDP over dp 4, each with and without recompute, an ensemble
+    on dp 2 x ens 2, uneven
     splits (35 tokens, a 5 x 7 grid) and DDP in several buckets. Each rank builds what
     the train scripts build (`training.run.wrap_model`: DDP or FSDP2; Adam; the config's
     loss; training/step.py's step) and counts its third step's collectives with the
@@ -48,8 +49,11 @@ RANKS = 4
 SHAPE = dict(img_size=[20, 28], patch_size=4, embed_dim=128, depth=2, bucket_cap_mb=1)
 LAYOUTS = {"dp2xtp2": ("tiny", {"tp": 2}), "dp2xcp2": ("tiny", {"cp": 2}),
            "h2xw2": ("tiny_afno", {"h_parallel_size": 2, "w_parallel_size": 2}),
-           "fsdp-dp4": ("tiny", {"fsdp": True})}
-CASES = [(name, recompute) for name in LAYOUTS for recompute in ("none", "blocks")]
+           "fsdp-dp4": ("tiny", {"fsdp": True}),
+           # an ensemble's members over ens 2: the loss's gather, the gradients' sum over ens
+           "dp2xens2": ("tiny_ens", {"ensemble_parallel_size": 2})}
+CASES = [(name, recompute) for name in LAYOUTS for recompute in ("none", "blocks")
+         if name != "dp2xens2" or recompute == "none"]  # the members' collectives: once
 # The dry run steps on fake tensors through the collectives: an older PyTorch cannot.
 FAKE_STEPS = pytest.mark.skipif(not runs_collectives_on_fake_tensors(),
                                 reason=f"PyTorch {torch.__version__} has no fake kernels for "

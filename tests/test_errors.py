@@ -124,7 +124,7 @@ def _heads_not_divisible_by_tp(d, tiny_data):
 
 @case
 def _world_not_divisible_by_tp_cp(d, tiny_data):
-    return Case(["world size 1", "tp x cp x h x w = 2 x 1 x 1 x 1"],
+    return Case(["world size 1", "tp x cp x h x w x ens = 2 x 1 x 1 x 1 x 1"],
                 ["--config=tiny", "--tp=2"], script="train_mp.py")
 
 @case
@@ -226,6 +226,21 @@ def _checkpoint_with_a_flipped_byte(d, tiny_data):  # torch.load would read it s
     return Case([str(bad), "fails its CRC check"], ["--config=tiny", f"--resume={bad}"])
 
 
+@case
+def _deterministic_checkpoint_resumed_as_an_ensemble(d, tiny_data):  # init_from is the way
+    from training.checkpoint import FORMAT, MODEL_KEYS, VERSION
+    from utils.config import read_config
+
+    cfg = read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)})
+    path = d / "ckpt_00000004.pt"  # all a checkpoint holds but tensors, which are not read
+    torch.save({"format": FORMAT, "version": VERSION, "params": cfg.model_dump(),
+                "config": {k: getattr(cfg, k) for k in MODEL_KEYS}, "model": {},
+                "optimizer": {}, "scheduler": {}, "scaler": {}, "iters": 4, "epoch": 1,
+                "epoch_step": 4, "rng": []}, path)
+    return Case([str(path), "holds a deterministic model", "an ensemble of 4",
+                 f"--init_from {path}"], ["--config=tiny_ens", f"--resume={path}"])
+
+
 def _cases(tmp: Path, tiny_data: Path) -> dict[str, Case]:
     """Each case gets its own directory `tmp / name`."""
     cases = {}
@@ -274,7 +289,7 @@ NAMES = ["unknown_config", "malformed_yaml", "model_parallel_config_for_train_py
          "nan_in_a_training_sample", "inf_in_a_training_sample", "zero_std_in_the_stats",
          "nan_mean_in_the_stats", "damaged_compressed_chunk",
          "damaged_compressed_chunk_read_by_dali", "fields_of_a_non_numeric_type",
-         "checkpoint_with_a_flipped_byte"]
+         "checkpoint_with_a_flipped_byte", "deterministic_checkpoint_resumed_as_an_ensemble"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -222,8 +222,9 @@ def test_a_tp2_checkpoint_scores_the_same_serially_and_in_parallel(tp2_run, tp2_
     evaluate(tp2_run, f"--run_dir={run_dir}", *layout, nproc=2, out=tmp_path)
     parallel, serial = json.loads((tmp_path / "skill.json").read_text()), tp2_serial
     tp, cp = (2 if f"--{g}=2" in layout else 1 for g in ("tp", "cp"))
-    assert serial["layout"] == {"tp": 1, "cp": 1, "h": 1, "w": 1, "dp": 1}
-    assert parallel["layout"] == {"tp": tp, "cp": cp, "h": 1, "w": 1, "dp": 2 // (tp * cp)}
+    assert serial["layout"] == {"tp": 1, "cp": 1, "h": 1, "w": 1, "ens": 1, "dp": 1}
+    assert parallel["layout"] == {"tp": tp, "cp": cp, "h": 1, "w": 1, "ens": 1,
+                                  "dp": 2 // (tp * cp)}
     assert parallel["initial_conditions"] == serial["initial_conditions"]
     for name in serial["channels"]:
         for metric in ("rmse", "acc"):

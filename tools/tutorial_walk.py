@@ -1,5 +1,5 @@
 """Walk the README's tutorial as a newcomer would: every CPU command of its steps (Quickstart
-to step 12), exactly as the README writes it (tools/readme_commands.py reads them from it), in
+to step 13), exactly as the README writes it (tools/readme_commands.py reads them from it), in
 order, in a fresh copy of this checkout. Prints a table: the command, its exit status, wall
 time (and the time the README states), and whether what the README says to look at appeared.
 
@@ -105,6 +105,13 @@ def file_logged(pattern: str, what: str) -> Check:
     return check
 
 
+def exists(path: str, what: str) -> Check:
+    """The file `path` exists in the copy after the command (made now or before)."""
+    def check(out: str, cwd: Path) -> tuple[bool, str]:
+        return verdict((cwd / path).exists(), f"{what} ({path})")
+    return check
+
+
 def forecast_files(out: str, cwd: Path) -> tuple[bool, str]:
     m = re.search(r"and tensorboard/ to (\S+)", out)
     names = ("skill_vs_lead.png", "skill.csv")
@@ -145,7 +152,7 @@ LOOKS: list[tuple[Callable[[str], bool], Check]] = [
      line(r"\| setting \| precision \| samples/s", "the ladder table")),
     (lambda t: "bench.bench_step" in t and "--amp_modes" in t,
      line(r"against 'amp_mode none': [\d.]+x the samples/s", "bf16 against fp32, side by side")),
-    (lambda t: re.search(r"(torchrun|mpirun) .*\btrain\.py", t) is not None,
+    (lambda t: re.search(r"(torchrun|mpirun) .*\btrain\.py .*cpu_bs32_opt", t) is not None,
      line(r"world size 2 \(\w+ launcher\), global batch 32, local batch 16",
           "global and local batch")),
     (lambda t: "train_mp" in t, line(r"Layout: DP = \d+, TP = \d+, CP = \d+", "Layout line")),
@@ -155,6 +162,13 @@ LOOKS: list[tuple[Callable[[str], bool], Check]] = [
      line(r"CUDA graphs need a GPU", "the line saying it runs eagerly")),
     (lambda t: "bench.bench_mp" in t or "bench.bench_spatial" in t,
      line(r"\| peak RSS/rank \(GB\) \|", "memory per rank table")),
+    (lambda t: t.startswith("make data-ens"),
+     exists("datasets/synthetic_ens/stats/time_means.npy", "the forced planet's data set")),
+    (lambda t: "--config=cpu_ens" in t,
+     line(r"Ensemble of 4: spread\(u10m\)=[\d.]+ m/s; spread/skill [\d.]+ plain",
+          "the ensemble's spread and spread/skill line")),
+    (lambda t: "--ensemble_parallel_size 2" in t,
+     line(r"Layout: DP = \d+, TP = 1, CP = 1, ENS = 2 ", "Layout line with ENS = 2")),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"), forecast_files),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"),
      line(r": model RMSE above persistence .*; ACC below 0\.6 ", "where the skill runs out")),

@@ -16,7 +16,14 @@ A fine-tune (`init_from`, `load_weights`) takes only the weights, unlike `--resu
 continues a run exactly: it starts at iteration 0 with a fresh optimizer and schedule, as
 FourCastNet's second training stage does. The checkpoint's tensors are full (serial)
 tensors; the run's layout cuts this rank's shard or
-tile, so a checkpoint of any layout starts a fine-tune in any layout."""
+tile, so a checkpoint of any layout starts a fine-tune in any layout.
+
+Ensembles (`ensemble_size` > 1) hold the same tensors on every ens rank, so they resume with
+any ensemble_parallel_size. A deterministic model and an ensemble differ by the noise
+layers (networks/noise.py): a deterministic checkpoint starts an ensemble only as a
+fine-tune (`init_from`: the noise layers start at zero, so every member starts as the
+deterministic model; said in the log), and `--resume` refuses it in one line
+(`check_ensemble`), as it refuses an ensemble's checkpoint for a deterministic model."""
 
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import torch.distributed as dist
 
 from distributed import comm, fsdp
 from distributed.layout import Layout
+from networks.noise import is_noise_parameter
 from training.checkpoint_files import (  # noqa: F401 - also this module's API
     checkpoint_dir,
     checkpoint_iteration,
@@ -59,6 +67,8 @@ MODEL_KEYS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_head
               "num_blocks", "mlp_ratio", "n_in_channels", "n_out_channels")
 REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
             "epoch_step", "rng")
+# Config keys that must also match between two ensembles (the noise layers' shapes).
+ENSEMBLE_KEYS = ("noise_channels", "noise_embed_dim")
 
 
 # ------------------------------------------------------------------ RNG states
@@ -158,12 +168,15 @@ def _cut(layout: Layout, name: str, full: torch.Tensor, param: torch.Tensor, whe
 
 @torch.no_grad()
 def load_model_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor], layout: Layout,
-                       where: str) -> None:
+                       where: str, keep_noise_layers: bool = False) -> None:
     """Copy a checkpoint's full (serial) model tensors into `model`, each cut to this
     rank's part by the layout: resume, fine-tuning and evaluation all load weights here.
     Collective when the layout shards parameters. A missing or extra tensor, or one that
-    does not fit, is a one-line CheckpointError."""
+    does not fit, is a one-line CheckpointError. `keep_noise_layers`: a deterministic
+    checkpoint into an ensemble; its noise layers keep their initial values."""
     params = dict(unwrap(model).named_parameters())
+    if keep_noise_layers:
+        params = {n: p for n, p in params.items() if not is_noise_parameter(n)}
     missing = [n for n in params if n not in saved]
     unexpected = [n for n in saved if n not in params]
     if missing or unexpected:
@@ -208,6 +221,42 @@ def read_checkpoint(path: str, cfg: Config | None) -> dict[str, Any]:
             raise CheckpointError(f"{path} was saved with {key}={saved}, "
                                   f"the config has {key}={now}")
     return ckpt
+
+
+def saved_ensemble_size(ckpt: dict[str, Any]) -> int:
+    """The ensemble size a checkpoint's model was trained with (1: deterministic, also for
+    checkpoints older than ensembles)."""
+    params = ckpt.get("params")
+    return int(params.get("ensemble_size", 1)) if isinstance(params, dict) else 1
+
+
+def check_ensemble(ckpt: dict[str, Any], cfg: Config, path: str, fine_tune: bool) -> bool:
+    """Whether `cfg`'s model fits the checkpoint's, ensemble-wise (module docstring): two
+    ensembles' noise layers must match (their ensemble sizes may differ); an ensemble's
+    checkpoint never loads into a deterministic model; a deterministic checkpoint loads into
+    an ensemble only as a fine-tune. Returns True for that fine-tune (the noise layers are
+    new); any other mismatch is a one-line CheckpointError."""
+    saved = saved_ensemble_size(ckpt)
+    if saved > 1 and cfg.ensemble_size > 1:
+        for key in ENSEMBLE_KEYS:
+            was = ckpt["params"].get(key)
+            if was is not None and was != getattr(cfg, key):
+                raise CheckpointError(f"{path} was saved with {key}={was}, the config has "
+                                      f"{key}={getattr(cfg, key)}")
+        return False
+    if saved > 1:
+        raise CheckpointError(f"{path} holds an ensemble model (ensemble_size {saved}: its "
+                              "members are conditioned on noise) and the config a "
+                              f"deterministic one: give --ensemble_size {saved} (loss crps)")
+    if cfg.ensemble_size == 1:
+        return False
+    if not fine_tune:
+        raise CheckpointError(
+            f"{path} holds a deterministic model and --resume continues a run as it was "
+            f"saved, not as an ensemble of {cfg.ensemble_size}: start the ensemble from its "
+            f"weights with --init_from {path} instead (a fine-tune: its noise layers start "
+            "at zero, so every member starts as that model)")
+    return True
 
 
 class Checkpointer:
@@ -325,6 +374,7 @@ class Checkpointer:
         """Load `path` into the live objects (collective). Returns where the loop stood,
         with this rank's epoch loss sum."""
         ckpt = read_checkpoint(path, self.cfg)
+        check_ensemble(ckpt, self.cfg, path, fine_tune=False)
         load_model_weights(self.model, ckpt["model"], self.layout, path)
         load_optimizer_state(self.optimizer, ckpt["optimizer"], self.names, self.to_local,
                              path)
@@ -353,7 +403,13 @@ def load_weights(path: str, cfg: Config, model: torch.nn.Module, layout: Layout)
     (not a checkpoint, other model keys, missing or misshapen tensors) is a one-line
     CheckpointError."""
     ckpt = read_checkpoint(path, cfg)  # also checks the model keys against the config
-    load_model_weights(model, ckpt["model"], layout, f"init_from {path}")
+    new_noise = check_ensemble(ckpt, cfg, path, fine_tune=True)
+    load_model_weights(model, ckpt["model"], layout, f"init_from {path}",
+                       keep_noise_layers=new_noise)
     log.info(f"Fine-tuning: weights from {path} (iteration {ckpt['iters']}); "
              "starting at iteration 0 with a fresh optimizer and schedule")
+    if new_noise:
+        log.info(f"Fine-tuning a deterministic model into an ensemble of {cfg.ensemble_size}: "
+                 "its noise layers are new and start at zero, so every member starts as "
+                 "the deterministic model (networks/noise.py)")
     return int(ckpt["iters"])

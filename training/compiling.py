@@ -13,9 +13,10 @@ where the compiled kernels are kept. Nothing else in the project calls torch.com
     called by the eager `checkpoint`, so its forward and its recompute both run the
     compiled code. The blocks share their code: Dynamo compiles one graph for all of them.
     The patch embedding and the head (a few percent of the step) then run eagerly;
-  - the loss, when the fields it sees are the whole grid: one pass over the output instead
-    of one per small op. On a spatial mesh the loss holds a collective (its sums over the
-    tiles) and stays eager.
+  - the loss, when the fields it sees are the whole grid and all of an ensemble's members
+    are on this rank: one pass over the output instead of one per small op. On a spatial
+    mesh, or with an ensemble's members split over ranks, the loss holds a collective (its
+    sums over the tiles, the gather of the members) and stays eager.
 Validation runs both eagerly (`eager`): compiling their no-grad variants would cost a
 second compile for little gain (docs/benchmarks.md, torch.compile).
 
@@ -107,10 +108,11 @@ def describe(cfg: Config, fsdp: bool) -> str | None:
     return "torch.compile: the whole model in one graph (under DDP split at its gradient buckets)"
 
 
-def compile_loss(loss: nn.Module, cfg: Config, whole_grid: bool) -> nn.Module:
-    """The loss as training runs it: compiled with `enable_jit` when its fields are the
-    `whole_grid`; on a mesh's tiles it stays eager (module docstring)."""
-    return _compiled(loss, cfg) if cfg.enable_jit and whole_grid else loss
+def compile_loss(loss: nn.Module, cfg: Config, local: bool) -> nn.Module:
+    """The loss as training runs it: compiled with `enable_jit` when it is `local` (its
+    fields are the whole grid, its members all on this rank); a loss with collectives (a
+    mesh's tiles, members gathered over ens) stays eager (module docstring)."""
+    return _compiled(loss, cfg) if cfg.enable_jit and local else loss
 
 
 def eager() -> contextlib.AbstractContextManager:

@@ -5,6 +5,7 @@ in every run so that runs can be compared side by side, with target-vs-predictio
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,8 @@ class RunLog:
         self.scalars(step, {"Loss/valid": val["loss"], "RMSE(u10m)/valid": val["rmse_u10m"],
                             "RMSE(u10m)/persistence": val["persistence_rmse_u10m"],
                             "ACC(u10m)/valid": val["acc_u10m"], "ACC(t2m)/valid": val["acc_t2m"]})
+        if "spread_u10m" in val:  # an ensemble: its spread beside its mean's RMSE
+            self.scalars(step, {"Spread(u10m)/valid": val["spread_u10m"]})
         if self.writer is not None and val.get("example_t2m") is not None:
             mean, std = t2m_stats
             inp, tar, gen = (a * std + mean for a in val["example_t2m"])
@@ -123,6 +126,8 @@ class RunLog:
         log.info(f"  RMSE(u10m) model={val['rmse_u10m']:.4f} m/s, "
                  f"persistence={val['persistence_rmse_u10m']:.4f} m/s; "
                  f"ACC(u10m)={val['acc_u10m']:.4f}, ACC(t2m)={val['acc_t2m']:.4f}")
+        if "spread_u10m" in val:
+            log.info(f"  {spread_line(val)}")
         self.scalars(step, {"Loss/train": train_loss, "Learning Rate": lr,
                             "Avg iters per sec": iters / train_time,
                             "Avg samples per sec": samples / train_time})
@@ -130,3 +135,14 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def spread_line(val: dict[str, Any]) -> str:
+    """An ensemble's validation line: its spread (u10m) against its mean's RMSE (model= in
+    the line above), and their ratio, plain (WeatherBench-2's) and corrected for a finite
+    ensemble (x sqrt((E + 1) / E), evaluation/ensemble_scores.py): 1 when the spread says
+    how wrong the mean is."""
+    ratio = val["spread_u10m"] / max(val["rmse_u10m"], 1e-12)
+    corrected = ratio * math.sqrt((val["members"] + 1) / val["members"])
+    return (f"Ensemble of {val['members']}: spread(u10m)={val['spread_u10m']:.4f} m/s; "
+            f"spread/skill {ratio:.3f} plain, {corrected:.3f} corrected")

@@ -25,11 +25,12 @@ from data.loader import get_loader
 from distributed import comm, fsdp
 from distributed.layout import Layout
 from evaluation.scores import T2M, Normaliser, validate
+from networks.ensemble import Members
 from networks.loss import build_loss
 from training import compiling
 from training.checkpoint import Checkpointer, load_weights, resolve_resume
 from training.guard import RunGuard
-from training.logs import RunLog
+from training.logs import RunLog, spread_line
 from training.preemption import StopSignal
 from training.profiling import StepProfiler
 from training.progress import Progress
@@ -148,6 +149,7 @@ class Training:
     guard: RunGuard
     progress: Progress
     steps_per_epoch: int
+    members: Members | None = None  # an ensemble's members on this rank (None: deterministic)
     resumed: bool = False
 
     @property
@@ -191,7 +193,7 @@ class Training:
         # second graph of the model for little gain (docs/benchmarks.md, torch.compile).
         with self.layout.evaluating(self.model), compiling.eager():
             val = validate(uncompiled(self.model), uncompiled(self.loss), self.val_loader,
-                           self.layout, self.ctx.precision, self.norm)
+                           self.layout, self.ctx.precision, self.norm, members=self.members)
         val_time = time.time() - start
         p, t2m = self.progress, self.norm.channel(T2M)
         if train_time is None:
@@ -199,6 +201,8 @@ class Training:
             log.info(f"Initial val loss={val['loss']:.6f}, RMSE(u10m)="
                      f"{val['rmse_u10m']:.4f} m/s (persistence "
                      f"{val['persistence_rmse_u10m']:.4f} m/s); validation {val_time:.2f} s")
+            if "spread_u10m" in val:
+                log.info(spread_line(val))
         else:  # the epoch's mean loss, averaged over the data-parallel ranks for the log
             loss = p.loss_sum / max(p.step_count, 1)
             loss = comm.mean_over(loss.reshape(1), "dp").item()
@@ -233,12 +237,14 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
                         f"rank than the local batch size {ctx.local_batch_size}")
     val_loader, _, _ = get_loader(cfg, cfg.valid_data_path, train=False, **shard)
     norm = Normaliser(cfg, layout.device)
-    # The config's loss, of this rank's rows, its sums completed over the grid as the
-    # layout says; training and validation (in eval mode: `crps` is then the fair CRPS)
-    # call this one object.
-    loss = build_loss(cfg.loss, norm.weights[0, layout.tile.rows], layout.sum_over_grid,
-                      crps_alpha=cfg.crps_alpha)
-    loss = compiling.compile_loss(loss, cfg, whole_grid=layout.sum_over_grid is None)
+    # The config's loss, of this rank's rows, as the layout completes it; training and
+    # validation (in eval mode: `crps` is then the fair CRPS) call this one object.
+    loss = run_loss(cfg, layout, norm.weights[0, layout.tile.rows])
+    loss = compiling.compile_loss(loss, cfg, local=layout.sum_over_grid is None
+                                  and layout.gather_members is None)
+    members = layout.members(cfg)  # an ensemble's members on this rank, and their noise
+    if members is not None:
+        log.info(describe_members(members, layout))
     optimizer = build_optimizer(cfg, model, capturable=capturable)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = layout.grad_scaler(ctx.precision)  # fp16: one overflow verdict per model replica
@@ -264,4 +270,22 @@ def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn
         log=RunLog(ctx.run_dir, enabled=comm.get_world_rank() == 0, purge_step=purge),
         guard=RunGuard(cfg, layout.device, ckpt, stop,
                        scan=BatchScan(train_loader.dataset, train_sampler)),
-        progress=progress, steps_per_epoch=len(train_loader), resumed=bool(resume))
+        progress=progress, steps_per_epoch=len(train_loader), members=members,
+        resumed=bool(resume))
+
+
+def run_loss(cfg: Config, layout: Layout, row_weights: torch.Tensor) -> torch.nn.Module:
+    """The config's loss (networks/loss.py) of fields whose rows have `row_weights`, as the
+    layout completes it: its sums over the mesh's tiles, an ensemble's members gathered
+    over the ens ranks."""
+    return build_loss(cfg.loss, row_weights, layout.sum_over_grid, crps_alpha=cfg.crps_alpha,
+                      gather_members=layout.gather_members)
+
+
+def describe_members(members: Members, layout: Layout) -> str:
+    """The run's log line on its ensemble: size, what each rank holds, the noise."""
+    split = (f"members {members.first}-{members.first + members.count - 1} on this rank, "
+             f"the others on its {comm.get_size('ens') - 1} ens peer(s)"
+             if members.is_split else "all on this rank")
+    return (f"Ensemble: {members.size} members per initial condition ({split}), each "
+            f"conditioned on {members.noise_channels} N(0, 1) noise channels per token")

@@ -62,6 +62,9 @@ def _axis_order(value: str) -> str:
     return value
 
 
+# Members of an ensemble when the loss asks for one (`crps`) and ensemble_size is not given.
+ENSEMBLE_DEFAULT = 4
+
 PosInt = Annotated[int, Gt(0)]
 NonNegInt = Annotated[int, Ge(0)]
 PosFloat = Annotated[float, Gt(0)]
@@ -100,6 +103,12 @@ class ModelKeys(Keys):
     n_out_channels: PosInt = Field(
         description="predicted channels: the input's, n_in_channels (the forecast is the "
                     "next input)")
+    noise_channels: PosInt = Field(
+        4, description="ensembles (ensemble_size > 1): N(0, 1) noise channels per token that "
+        "each member is conditioned on (networks/noise.py)")
+    noise_embed_dim: PosInt = Field(
+        32, description="ensembles: width of the noise embedding that scales and shifts the "
+        "norms of every block")
 
 
 class TrainingKeys(Keys):
@@ -117,6 +126,10 @@ class TrainingKeys(Keys):
         "relative_l2", description="training and validation loss (networks/loss.py): the "
         "tutorial's relative L2 error, the latitude-weighted MSE, or the latitude-weighted "
         "almost-fair CRPS of an ensemble forecast")
+    ensemble_size: Annotated[PosInt, Flag()] = Field(
+        1, description="members per initial condition: 1 a deterministic forecast; an "
+        f"ensemble is trained with the `crps` loss (which, without this key, gives "
+        f"{ENSEMBLE_DEFAULT} members)")
     crps_alpha: Annotated[float, Ge(0), Le(1), Flag()] = Field(
         0.95, description="training weight of the fair part of the `crps` loss (1: the fair "
         "CRPS, 0: the CRPS of the members' empirical distribution); validation and "
@@ -200,6 +213,9 @@ class ParallelKeys(Keys):
         1, description="spatial-parallel ranks over token rows (AFNO: distributed FFT)")
     w_parallel_size: Annotated[PosInt, Flag(model_parallel=True)] = Field(
         1, description="spatial-parallel ranks over token columns (AFNO)")
+    ensemble_parallel_size: Annotated[PosInt, Flag()] = Field(
+        1, description="ranks an ensemble's members are split over (each holds "
+        "ensemble_size / ensemble_parallel_size members of every sample)")
     parallel_order: Annotated[AxisOrder, Flag(model_parallel=True)] = Field(
         DEFAULT_ORDER, description="rank layout, fastest-varying axis first")
     bucket_cap_mb: Annotated[PosInt, Flag()] = Field(
@@ -269,11 +285,14 @@ def _check_splits(c: Config) -> None:
         # the spectrum's channels are split over w in whole blocks, at least one per rank
         raise ValueError(f"w_parallel_size {c.w_parallel_size} is larger than num_blocks "
                          f"{c.num_blocks}: each w rank holds whole channel blocks of the spectrum")
-    missing = [a for a, n in config_sizes(c).items()
-               if n > 1 and a not in parse_axes(c.parallel_order)]
+    order = parse_axes(c.parallel_order)
+    missing = [a for a, n in config_sizes(c).items() if n > 1 and a not in order]
     if missing:
+        dp = order.index("dp")
+        suggested = "-".join(order[:dp] + missing + order[dp:])
         raise ValueError(f"parallel_order '{c.parallel_order}' leaves out {', '.join(missing)} "
-                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1)")
+                         f"({', '.join(BY_NAME[a].key or a for a in missing)} > 1): name it "
+                         f"in the config's parallel_order, e.g. '{suggested}'")
 
 
 def _check_channels(c: Config) -> None:
@@ -289,6 +308,21 @@ def _check_rollout(c: Config) -> None:
     if c.rollout_steps > 1 and c.data_loader_config == "dali":
         raise ValueError(f"rollout_steps {c.rollout_steps} needs data_loader_config pytorch "
                          "(the DALI pipeline reads one target per sample)")
+
+
+def _check_ensemble(c: Config) -> None:
+    E, ens = c.ensemble_size, c.ensemble_parallel_size
+    if c.loss == "crps" and E == 1:
+        raise ValueError(f"loss crps scores an ensemble, but ensemble_size is 1 (one member "
+                         f"has no spread to score): set ensemble_size > 1 (default "
+                         f"{ENSEMBLE_DEFAULT} with crps), or a deterministic loss")
+    if E > 1 and c.loss != "crps":
+        raise ValueError(f"ensemble_size {E} trains an ensemble, which loss {c.loss} cannot "
+                         "score (every member would learn the same mean): use loss crps")
+    if E % ens:
+        raise ValueError(f"ensemble_size {E} is not divisible by ensemble_parallel_size "
+                         f"{ens}: each ens rank holds ensemble_size / ensemble_parallel_size "
+                         "members of every sample")
 
 
 def _check_data_parallel(c: Config) -> None:
@@ -313,6 +347,16 @@ def _check_layout(c: Config) -> None:
 class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKeys):
     """Every key of a config section; checks across keys run once the keys are valid."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ensemble_default(cls, data: Any) -> Any:
+        """A config that asks for an ensemble (loss crps) without saying how big gets
+        ENSEMBLE_DEFAULT members; any other, one (a deterministic forecast)."""
+        if isinstance(data, dict) and data.get("ensemble_size") is None:
+            data = {**data,
+                    "ensemble_size": ENSEMBLE_DEFAULT if data.get("loss") == "crps" else 1}
+        return data
+
     def replace(self, **changes: Any) -> Config:
         """A new config with `changes`, checked like the original (this one is frozen)."""
         return validate({**self.model_dump(), **changes},
@@ -327,6 +371,7 @@ class Config(ModelKeys, TrainingKeys, RunKeys, DataKeys, ParallelKeys, SourceKey
         _check_splits(self)
         _check_channels(self)
         _check_rollout(self)
+        _check_ensemble(self)
         _check_data_parallel(self)
         return self
 

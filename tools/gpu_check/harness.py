@@ -90,7 +90,7 @@ def build(cfg: Config, device: torch.device, model: nn.Module | None = None,
     mode = auto_amp_mode(device) if mode == "auto" else mode
     precision = Precision(mode, device.type)
     loss = build_loss(cfg.loss, torch.ones(cfg.img_size[0], device=device), None)
-    loss = compiling.compile_loss(loss, cfg, whole_grid=True)  # compiled as training does
+    loss = compiling.compile_loss(loss, cfg, local=True)  # compiled as training does
     return SimpleNamespace(model=model, optimizer=build_optimizer(cfg, model), layout=layout,
                            prof=_NoRanges(), ctx=SimpleNamespace(precision=precision),
                            loss=loss, scaler=layout.grad_scaler(precision), cfg=cfg)
