@@ -110,9 +110,9 @@ def parse_flags(argv: Sequence[str], description: str = "") -> argparse.Namespac
         raise ConfigError(f"--ensemble_size {E}: an ensemble is scored with 2 to {MAX_ENSEMBLE} "
                           "members (one member has no spread, rank or CRPS of its own: leave "
                           "the flag out for the deterministic scores)")
-    if args.ic_perturbation is not None and not (args.ic_perturbation > 0 and E is not None):
+    if args.ic_perturbation is not None and not args.ic_perturbation > 0:
         raise ConfigError(f"--ic_perturbation {args.ic_perturbation}: a positive perturbation "
-                          "of a deterministic model's initial conditions, with --ensemble_size E")
+                          "of a deterministic model's initial conditions expected")
     return args
 
 
@@ -123,6 +123,10 @@ def ensemble_size(args: argparse.Namespace, cfg: Config) -> int | None:
         raise ConfigError(f"--ic_perturbation: {cfg.config} is an ensemble of "
                           f"{cfg.ensemble_size}, whose members differ by their own noise; "
                           "perturbed initial conditions are for a deterministic checkpoint")
+    if cfg.ensemble_size == 1 and args.ic_perturbation is not None and not args.ensemble_size:
+        raise ConfigError(f"--ic_perturbation {args.ic_perturbation}: {cfg.config} is "
+                          "deterministic; its members start from perturbed initial conditions "
+                          "when --ensemble_size E asks for an ensemble")
     if cfg.ensemble_size == 1 and args.deterministic:
         raise ConfigError(f"--deterministic {args.deterministic}: the checkpoint evaluated is "
                           "deterministic itself (its unperturbed forecast is scored beside "
