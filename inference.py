@@ -12,6 +12,8 @@ climatology.
         --save_truth DIR/forecast/truth.zarr          # both stores for WeatherBench-2
     python inference.py --run_dir DIR --climatology CLIM.zarr  # WeatherBench-2's climatology
     python inference.py --run_dir DIR --init_hours 0,12     # WeatherBench-2's initial times
+    python inference.py --config=cpu_ens                    # an ensemble: its 4 members
+    python inference.py --run_dir DIR --ensemble_size 8     # 8 members (any checkpoint)
 
 From N initial conditions spread evenly over the test split (at any hour, or at
 --init_hours), the model forecasts 6 h ahead, then again from its own forecast, --lead_steps
@@ -29,6 +31,17 @@ WeatherBench-2's forecast layout (evaluation/forecast_file.py); with --save_trut
 at every valid time on the forecasts' grid in its ERA5 layout (evaluation/truth_file.py);
 with --climatology, ACC and the climatology baseline against WeatherBench-2's climatology
 store (evaluation/wb2_climatology.py) instead of the data set's own.
+
+An ensemble (`--ensemble_size E`, or an ensemble checkpoint) rolls out E members of every
+initial condition (`evaluate_ensemble`: the checkpoint's noise-conditioned members, or a
+deterministic model's from perturbed initial conditions, evaluation/ensemble_members.py) and
+scores them by CRPS, ensemble-mean RMSE, spread, spread/skill and rank histograms beside the
+perfect-model ensemble (a forced synthetic planet), the deterministic model (`--deterministic`,
+or the deterministic checkpoint itself unperturbed), persistence and climatology
+(evaluation/ensemble_evaluation.py): ensemble_skill.csv, rank_histograms.csv, crps_vs_lead.png,
+spread_skill.png and rank_histograms.png beside the rest, where skill.csv's "model" is the
+ensemble mean and the rollout maps show member 0. --save_forecasts writes every member
+(a `realization` dimension).
 """
 
 from __future__ import annotations
@@ -55,23 +68,25 @@ import numpy as np
 import torch
 
 import networks
-from data.era5_names import HEADLINE, wb2_label
+from data.era5_names import HEADLINE
 from data.forecast import InitialCondition, RolloutData
 from distributed import comm
 from distributed.helpers import compute_split_shapes
 from distributed.layout import Layout
+from evaluation.ensemble_evaluation import EnsembleSums
+from evaluation.ensemble_members import EnsembleForecast, PerfectEnsemble
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.forecast_skill import (
     FORECASTS,
-    Skill,
-    describe_crossings,
     forecast_sums,
-    format_table,
     skill_from_sums,
-    write_csv,
-    write_json,
 )
-from evaluation.inference_flags import batch_for_grid
+from evaluation.inference_flags import (
+    IC_PERTURBATION,
+    batch_for_grid,
+    check_deterministic,
+    ensemble_size,
+)
 from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
 from evaluation.truth_file import write_truth
@@ -138,10 +153,33 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
     # A train_mp.py run saved its layout: the evaluation chooses its own. The schema checks
     # that the sizes fit the model (e.g. tp divides the heads), as for training.
     own = {key: getattr(args, key) or 1 for key in MODEL_PARALLEL_KEYS}
+    own["ensemble_parallel_size"] = 1  # every rank forecasts all its members
     for key in ("parallel_order", "amp_mode"):
         if getattr(args, key) is not None:
             own[key] = getattr(args, key)
     return cfg.replace(**own), ckpt
+
+
+def deterministic_config(args: argparse.Namespace, cfg: Config
+                         ) -> tuple[Config, dict[str, Any]] | None:
+    """(config, checkpoint) of --deterministic's model (its own saved config, this
+    evaluation's layout), checked against the ensemble's `cfg`; None without the flag."""
+    if not args.deterministic:
+        return None
+    own = argparse.Namespace(**{**vars(args), "config": None, "checkpoint": args.deterministic})
+    beside = load_config(own, args.deterministic)
+    check_deterministic(args.deterministic, beside, cfg)
+    return beside
+
+
+def batch_size_of(given: int | None, channels: int, grid: tuple[int, int], E: int | None
+                  ) -> tuple[int, str]:
+    """(initial conditions rolled out together, why): --batch_size, else as many as fit
+    (`batch_for_grid`), divided among an ensemble's E members."""
+    if given is not None:
+        return given, "--batch_size"
+    return (max(1, batch_for_grid(channels, *grid) // (E or 1)),
+            f"chosen for the {grid[0]} x {grid[1]} grid" + (f" and {E} members" if E else ""))
 
 
 # ------------------------------------------------------------------ the model
@@ -211,6 +249,109 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
     return sums, torch.stack(maps, dim=1).cpu().numpy()
 
 
+def evaluate_ensemble(model: torch.nn.Module, data: RolloutData, ics: list[InitialCondition],
+                      lead_steps: int, batch_size: int, layout: Layout, precision: Precision,
+                      norm: Normaliser, refs: References, map_channel: int,
+                      ensemble: EnsembleForecast, scores: EnsembleSums,
+                      perfect: PerfectEnsemble | None, deterministic: torch.nn.Module | None,
+                      save: tuple[str, int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """`evaluate` for an ensemble: each batch's E members (B E forecasts) roll out lead by
+    lead beside the deterministic model (if any) and the perfect-model ensemble (if any),
+    and every lead is scored into `scores` (the ensemble's) and the returned sums (its
+    ensemble mean's RMSE and ACC with persistence and climatology, as `evaluate`'s), with
+    member 0's maps."""
+    device, tile, E = layout.device, layout.tile, ensemble.size
+    sums = torch.zeros(len(FORECASTS), 2, len(norm.regions), lead_steps + 1,
+                       len(refs.channels), dtype=torch.float64, device=device)
+    refs.plan(data.valid_times(ics, lead_steps)[0])
+    maps: list[torch.Tensor] = []
+    for start in range(0, len(ics), batch_size):
+        batch = ics[start: start + batch_size]
+        hours, phase, hour = data.valid_times(batch, lead_steps)
+        keys = hours[:, 0]  # the initial times key the members' noise and the ranks' ties
+        with torch.inference_mode():
+            x0 = data.read_lead(batch, 0, tile).to(device)
+            initial = refs.extend(x0)
+            x = ensemble.start(x0, keys)  # (B E, C, H, W): member-major within a sample
+            noise = ensemble.noise(keys, lead_steps, device)  # None: perturbed starts
+            single = x0 if deterministic is not None else None
+            best = perfect.members(batch, lead_steps, tile, device) if perfect else None
+            pending = []
+            for k in range(lead_steps + 1):
+                truth = x0 if k == 0 else data.read_lead(batch, k, tile).to(device)
+                if k:
+                    with precision.autocast():  # fp32 from step to step
+                        x = model(x, None if noise is None else noise[k - 1].flatten(0, 1))
+                        x = x.float()
+                        if single is not None:
+                            single = deterministic(single).float()
+                members = x.unflatten(0, (len(batch), E))
+                clim = refs.climatology(phase[:, k], hour[:, k], hours[:, k])
+                clim = clim[:, 0] if clim.dim() == 5 else clim  # (1, 1, C', H, W): time mean
+                forecasts = {"ensemble": refs.extend(members), "persistence": initial,
+                             "climatology": clim}
+                if single is not None:
+                    forecasts["deterministic"] = refs.extend(single)
+                if best is not None:
+                    forecasts["perfect_model"] = refs.extend(best[:, :, k])
+                scores.add(k, refs.extend(truth), forecasts, norm.weights, keys, tile)
+                sums[:, :, :, k:k + 1] += forecast_sums(
+                    forecasts["ensemble"].mean(dim=1).unsqueeze(1),
+                    refs.extend(truth).unsqueeze(1), clim.unsqueeze(1), refs.time_mean,
+                    norm.weights, tile, initial=initial.unsqueeze(1))
+                if start == 0:
+                    maps.append(whole_field(torch.stack([truth[0, map_channel],
+                                                         members[0, 0, map_channel]]), tile))
+                if save is not None:
+                    pending.append(members)
+                    if len(pending) == leads_per_write(x) or k == lead_steps:
+                        _save(save[0], save[1] + start, k + 1 - len(pending),
+                              torch.stack(pending, dim=2), refs, tile)
+                        pending = []
+    return sums, torch.stack(maps, dim=1).cpu().numpy()
+
+
+def roll_out(args: argparse.Namespace, cfg: Config, beside: tuple[Config, dict[str, Any]] | None,
+             model: torch.nn.Module, data: RolloutData, mine: list[InitialCondition],
+             batch_size: int, layout: Layout, precision: Precision, norm: Normaliser,
+             refs: References, E: int | None, save: tuple[str, int] | None
+             ) -> tuple[torch.Tensor, np.ndarray, EnsembleSums | None]:
+    """`evaluate`'s sums and maps, or an ensemble's (`evaluate_ensemble`) with its own
+    scores' sums, added over the data-parallel ranks."""
+    c = data.channel_names().index(args.map_channel)
+    if not E:
+        return (*evaluate(model, data, mine, args.lead_steps, batch_size, layout, precision,
+                          norm, refs, c, save), None)
+    parts = ensemble_parts(args, cfg, beside, model, data, layout, len(norm.regions),
+                           len(refs.channels), E)
+    sums, example = evaluate_ensemble(model, data, mine, args.lead_steps, batch_size, layout,
+                                      precision, norm, refs, c, **parts, save=save)
+    return sums, example, parts["scores"].sum_over("dp")
+
+
+def ensemble_parts(args: argparse.Namespace, cfg: Config,
+                   beside: tuple[Config, dict[str, Any]] | None, model: torch.nn.Module,
+                   data: RolloutData, layout: Layout, regions: int, channels: int, E: int
+                   ) -> dict[str, Any]:
+    """`evaluate_ensemble`'s members, deterministic model, perfect-model ensemble and score
+    sums, each said in the log."""
+    ensemble = EnsembleForecast.of(E, layout.members(cfg),
+                                   args.ic_perturbation or IC_PERTURBATION, cfg.seed, layout.tile)
+    log.info(ensemble.describe())
+    deterministic = model if cfg.ensemble_size == 1 else (
+        load_model(*beside, args.deterministic, layout) if beside else None)
+    log.info("Beside it, the deterministic model: " + (
+        "the checkpoint's unperturbed forecast" if cfg.ensemble_size == 1 else
+        args.deterministic or "none (give --deterministic CHECKPOINT)"))
+    perfect = PerfectEnsemble(data, E)
+    log.info(f"Perfect-model ensemble of {E}: the planet branched at each initial condition "
+             "(data/perfect_ensemble.py)" if perfect.available
+             else f"No perfect-model ensemble: {perfect.why}")
+    return {"ensemble": ensemble, "deterministic": deterministic,
+            "perfect": perfect if perfect.available else None,
+            "scores": EnsembleSums(regions, args.lead_steps + 1, channels, E, layout.device)}
+
+
 def leads_per_write(x: torch.Tensor, limit: int = 2**30) -> int:
     """Leads of a batch's forecasts `x` (B, C, H, W) written at a time: as many as fit in
     `limit` bytes of float32 (one at 0.25 degrees with 8 initial conditions)."""
@@ -219,53 +360,14 @@ def leads_per_write(x: torch.Tensor, limit: int = 2**30) -> int:
 
 def _save(path: str, start: int, lead: int, forecast: torch.Tensor, refs: References,
           tile) -> None:
-    """Write leads lead .. lead + n - 1 of a batch's rollouts, (B, n, C, H, W) (the whole
+    """Write leads lead .. lead + n - 1 of a batch's rollouts, (B, n, C, H, W) or an
+    ensemble's (B, E, n, C, H, W) (the whole
     grid: gathered over a spatial mesh; one rank of each model-parallel group writes), into
     the forecast store, in float32."""
     fields = whole_field(forecast, tile)
     if comm.get_rank("mp") == 0:
         physical = refs.physical(fields).cpu().numpy()
-        write_forecasts(path, start, physical, refs.channels[:forecast.shape[2]], lead)
-
-
-def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarray,
-           map_channel: str, metadata: dict[str, Any]) -> None:
-    """Tables and crossings in the log; skill.csv, skill.json, TensorBoard scalars by lead
-    time (one event directory per forecast, so TensorBoard overlays them) and figures."""
-    from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 needs them
-
-    from tools.forecast_plots import rollout_maps, skill_vs_lead
-
-    table_channels = [c for c in dict.fromkeys(table_channels) if c in skill.channels]
-    for name in table_channels:  # in order, without repeats
-        log.info(f"Forecast skill of {name} ({wb2_label(name)}), mean over "
-                 f"{skill.n_initial_conditions} initial conditions:\n"
-                 + "\n".join(format_table(skill, name)))
-    for name in table_channels:
-        log.info(describe_crossings(skill, name))
-    write_csv(skill, os.path.join(out_dir, "skill.csv"))
-    write_json(skill, os.path.join(out_dir, "skill.json"), metadata)
-    for f, forecast in enumerate(FORECASTS):
-        # purge_step 0: TensorBoard drops the events of an earlier evaluation in this directory
-        with SummaryWriter(os.path.join(out_dir, "tensorboard", forecast), purge_step=0) as writer:
-            for r, region in enumerate(skill.regions):
-                where = "forecast" if region == "global" else f"forecast/{region}"
-                for c, name in enumerate(skill.channels):
-                    for k, hours in enumerate(skill.lead_hours):
-                        writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
-                        writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
-    fig = skill_vs_lead(skill, HEADLINE,
-                        f"{metadata['config']}, iteration {metadata['iteration']}: "
-                        f"{skill.n_initial_conditions} initial conditions")
-    fig.savefig(os.path.join(out_dir, "skill_vs_lead.png"), dpi=110)
-    # The maps at 1, 3 and 5 days (those within the rollout; else its last lead).
-    leads = [k for k, h in enumerate(skill.lead_hours) if h in (24, 72, 120)] \
-        or [len(skill.lead_hours) - 1]
-    fig = rollout_maps(maps[0, leads], maps[1, leads], [skill.lead_hours[k] for k in leads],
-                       map_channel)
-    fig.savefig(os.path.join(out_dir, f"rollout_{map_channel}.png"), dpi=80)
-    log.info(f"Wrote skill.csv, skill.json, skill_vs_lead.png, rollout_{map_channel}.png "
-             f"and tensorboard/ to {out_dir}")
+        write_forecasts(path, start, physical, refs.channels[:forecast.shape[-3]], lead)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -281,6 +383,7 @@ def main(args: argparse.Namespace) -> None:
         if name not in channels:
             raise ConfigError(f"unknown channel {name}; the data has {', '.join(channels)}")
     ics = data.pick(args.n_initial_conditions, args.lead_steps, args.init_hours)
+    E, beside = ensemble_size(args, cfg), deterministic_config(args, cfg)
     out_dir = args.out or os.path.join(run_directory(path), "forecast")
     os.makedirs(out_dir, exist_ok=True)
 
@@ -300,10 +403,7 @@ def main(args: argparse.Namespace) -> None:
     norm = Normaliser(cfg, layout.device)
     refs = References(cfg, norm, channels, layout.tile, store=args.climatology,
                       rh_definition=data.rh_definition)
-    batch_size, why = args.batch_size, "--batch_size"
-    if batch_size is None:
-        batch_size = batch_for_grid(len(refs.channels), *norm.grid.shape)
-        why = f"chosen for the {norm.grid.shape[0]} x {norm.grid.shape[1]} grid"
+    batch_size, why = batch_size_of(args.batch_size, len(refs.channels), norm.grid.shape, E)
     log.info(f"{len(ics)} initial conditions from {cfg.inf_data_path} ({len(mine)} on "
              f"this rank, {batch_size} at a time: {why})"
              + (f" at {', '.join(map(str, args.init_hours))} UTC" if args.init_hours else "")
@@ -315,7 +415,7 @@ def main(args: argparse.Namespace) -> None:
         if rank == 0:
             create_store(args.save_forecasts, data.valid_times(ics, 0)[0][:, 0],
                          data.lead_hours(args.lead_steps), norm.grid, channels,
-                         data.rh_definition)
+                         data.rh_definition, members=E or 0)
         comm.any_rank(False, layout.device)  # a barrier: the store exists before any write
         save = (args.save_forecasts, ics.index(mine[0]))
     if args.save_truth and rank == 0:
@@ -325,8 +425,8 @@ def main(args: argparse.Namespace) -> None:
 
     # ---- roll out and score; the sums of every data-parallel rank are added up
     start = time.time()
-    sums, example = evaluate(model, data, mine, args.lead_steps, batch_size, layout,
-                             precision, norm, refs, channels.index(args.map_channel), save)
+    sums, example, scores = roll_out(args, cfg, beside, model, data, mine, batch_size, layout,
+                                     precision, norm, refs, E, save)
     comm.sum_over(sums, "dp")
     seconds = time.time() - start
     log.info(f"Rolled out {len(ics)} x {args.lead_steps} steps in {seconds:.1f} s "
@@ -350,8 +450,15 @@ def main(args: argparse.Namespace) -> None:
                                   if args.save_forecasts else None),
                     "truth": os.path.abspath(args.save_truth) if args.save_truth else None,
                     "initial_conditions": [ic.to_dict() for ic in ics]}
+        from tools.forecast_report import report, report_ensemble  # only rank 0 draws
+
         report(skill, out_dir, [*HEADLINE, *args.channels], maps,
                args.map_channel, metadata)
+        if scores is not None:
+            report_ensemble(scores.skill(len(ics), refs.scale.tolist(),
+                                         data.lead_hours(args.lead_steps), refs.channels,
+                                         norm.regions),
+                            out_dir, args.channels, metadata)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def ensemble_skill_from_sums(sums: torch.Tensor, count: int, stds: Sequence[floa
 
 
 def truth_ranks(members: torch.Tensor, truth: torch.Tensor, keys: Sequence[int], seed: int = 0,
-                tile: Tile | None = None) -> torch.Tensor:
+                tile: Tile | None = None, first_lead: int = 0) -> torch.Tensor:
     """The truth's rank among the members at every point (int64, the truth's shape), ties
     placed by the seeded rule (module docstring); arguments as `rank_histogram_sums`'s."""
     _check(members, truth)
@@ -136,7 +136,7 @@ def truth_ranks(members: torch.Tensor, truth: torch.Tensor, keys: Sequence[int],
     ranks = below.clone()
     tied = torch.nonzero(ties.flatten(3).any(dim=-1)).tolist()  # [(b, lead, c)] with ties
     for b, lead, c in tied:  # the whole grid's draws, this tile's part of them
-        rng = np.random.default_rng([seed, int(keys[b]), lead, c])
+        rng = np.random.default_rng([seed, int(keys[b]), first_lead + lead, c])
         u = torch.from_numpy(rng.random(tile.grid)[tile.rows, tile.cols]).to(ties.device)
         ranks[b, lead, c] += torch.floor(u * (ties[b, lead, c] + 1)).long()
     return ranks
@@ -144,15 +144,17 @@ def truth_ranks(members: torch.Tensor, truth: torch.Tensor, keys: Sequence[int],
 
 @torch.no_grad()
 def rank_histogram_sums(members: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor,
-                        keys: Sequence[int], seed: int = 0, tile: Tile | None = None
-                        ) -> torch.Tensor:
+                        keys: Sequence[int], seed: int = 0, tile: Tile | None = None,
+                        first_lead: int = 0) -> torch.Tensor:
     """float64 (R, L, C, E + 1): each bin's latitude-weighted fraction of the grid, summed
     over the B initial conditions. members (B, E, L, C, H, W) and truth (B, L, C, H, W) at
     the leads to score (lead 0 dropped); `keys` (B,) non-negative integers naming the
     initial conditions (e.g. their times in hours since 1970) and `seed`: the draws that
-    place ties (module docstring); weights and tile as in `ensemble_sums`."""
+    place ties (module docstring); weights and tile as in `ensemble_sums`; `first_lead`:
+    the position of the first lead given (a rollout scored lead by lead passes each lead's
+    own, so that its draws are those of the whole rollout's)."""
     weights = weights if weights.dim() == 2 else weights[None]
-    ranks = truth_ranks(members, truth, keys, seed, tile)
+    ranks = truth_ranks(members, truth, keys, seed, tile, first_lead)
     bins = [weighted_mean_channels((ranks == k).float(), weights, tile).double().sum(0)
             for k in range(members.shape[1] + 1)]  # each (L, R, C)
     return torch.stack(bins, dim=-1).transpose(0, 1)

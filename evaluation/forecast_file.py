@@ -2,6 +2,8 @@
 evaluation (and anyone's xarray code) can read and score them.
 
     time                  initial time (datetime64), one per initial condition
+    realization           an ensemble's member, 0 .. E - 1 (ensembles only: WeatherBench-2's
+                          ensemble dimension)
     prediction_timedelta  lead time (timedelta64): 0 h (the initial state), 6 h, ...
     level                 hPa, for the pressure-level variables: the union of the levels
                           of the 20 channels (50, 500, 850, 1000); a level a variable does
@@ -46,22 +48,24 @@ def wb2_layout(channels: list[str]) -> tuple[dict[str, list[tuple[int, int | Non
 
 
 def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid: Grid,
-                 channels: list[str], rh_definition: str = "") -> None:
-    """An empty store (metadata and coordinates) for len(init_hours) initial conditions;
-    its relative humidity records its definition (`humidity_attributes`)."""
+                 channels: list[str], rh_definition: str = "", members: int = 0) -> None:
+    """An empty store (metadata and coordinates) for len(init_hours) initial conditions
+    (of `members` members each: a `realization` dimension; 0: a single forecast); its
+    relative humidity records its definition (`humidity_attributes`)."""
     import dask.array as da
     import xarray as xr
 
     variables, levels = wb2_layout(channels)
     n, L1 = len(init_hours), len(lead_hours)
     H, W = grid.shape
+    lead = (("realization",), (members,), (1,)) if members else ((), (), ())
     data = {}
     for variable, entries in variables.items():
         pressure = entries[0][1] is not None
-        dims = ("time", "prediction_timedelta") + (("level",) if pressure else ()) + (
+        dims = ("time", *lead[0], "prediction_timedelta") + (("level",) if pressure else ()) + (
             "latitude", "longitude")
-        shape = (n, L1) + ((len(levels),) if pressure else ()) + (H, W)
-        chunks = (1, 1) + ((len(levels),) if pressure else ()) + (H, W)
+        shape = (n, *lead[1], L1) + ((len(levels),) if pressure else ()) + (H, W)
+        chunks = (1, *lead[2], 1) + ((len(levels),) if pressure else ()) + (H, W)
         data[variable] = xr.Variable(dims, da.full(shape, np.nan, dtype=np.float32,
                                                    chunks=chunks),
                                        {"units": wb2_units(variable)[0],
@@ -72,6 +76,8 @@ def create_store(path: str, init_hours: np.ndarray, lead_hours: list[int], grid:
         "latitude": ("latitude", grid.latitude[::-1].copy(), {"units": "degrees_north"}),
         "longitude": ("longitude", grid.longitude.copy(), {"units": "degrees_east"}),
     }
+    if members:
+        coords["realization"] = np.arange(members, dtype=np.int64)
     if levels:
         coords["level"] = ("level", np.asarray(levels, dtype=np.int64), {"units": "hPa"})
     ds = xr.Dataset(data, coords=coords, attrs={
@@ -116,11 +122,14 @@ def wb2_arrays(fields: np.ndarray, channels: list[str], leading: tuple[str, ...]
 def write_forecasts(path: str, start: int, fields: np.ndarray, channels: list[str],
                     lead: int = 0) -> None:
     """Fill initial conditions start .. start + B - 1, leads lead .. lead + n - 1, with
-    `fields`, (B, n, C, H, W) float32 in physical units, rows north to south (as the data):
-    a few leads at a time, so that a batch's rollouts are never held whole."""
+    `fields`, (B, n, C, H, W) float32 in physical units, rows north to south (as the data),
+    or an ensemble's (B, E, n, C, H, W) (every member): a few leads at a time, so that a
+    batch's rollouts are never held whole."""
     import xarray as xr
 
-    B, n = fields.shape[:2]
-    data = wb2_arrays(fields, channels, ("time", "prediction_timedelta"))
+    B, n = fields.shape[0], fields.shape[-4]
+    leading = ("time", "realization", "prediction_timedelta") if fields.ndim == 6 else (
+        "time", "prediction_timedelta")
+    data = wb2_arrays(fields, channels, leading)
     xr.Dataset(data).to_zarr(path, region={"time": slice(start, start + B),
                                            "prediction_timedelta": slice(lead, lead + n)})

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from data.era5_names import HEADLINE
 from utils.config import DEFAULT_YAML, MODEL_PARALLEL_FLAGS, FlagParser, add_flags
+from utils.config_schema import Config
 from utils.errors import ConfigError
 
 
@@ -48,6 +50,17 @@ def flag_parser(description: str = "") -> FlagParser:
     p.add_argument("--climatology", default=None, metavar="PATH",
                    help="WeatherBench-2's climatology store (dayofyear x hour) for ACC and "
                         "the climatology baseline (default: the data set's own)")
+    p.add_argument("--ensemble_size", type=int, default=None, metavar="E",
+                   help="score an ensemble of E >= 2 members per initial condition (CRPS, "
+                        "spread, spread/skill, rank histograms; evaluation/ensemble_members.py); "
+                        "default: the checkpoint's ensemble_size (a deterministic checkpoint: "
+                        "no ensemble)")
+    p.add_argument("--ic_perturbation", type=float, default=None, metavar="SIGMA",
+                   help="a deterministic checkpoint's ensemble: members start from x0 + SIGMA "
+                        f"x N(0, 1), normalised units (default {IC_PERTURBATION})")
+    p.add_argument("--deterministic", default=None, metavar="CHECKPOINT",
+                   help="with an ensemble checkpoint: a deterministic model's checkpoint "
+                        "(same data) rolled out beside it, its CRPS (= MAE) in the tables")
     # The evaluation's own layout (serial by default) and precision (default: the training
     # config's), as the schema declares them.
     return add_flags(p, model_parallel=True, only=(*MODEL_PARALLEL_FLAGS, "amp_mode"))
@@ -71,6 +84,11 @@ def hours_of_day(text: str) -> list[int]:
 FIELDS_PER_INITIAL_CONDITION = 24
 BATCH_BYTES = 4 * 2**30
 MAX_BATCH = 8
+# A deterministic checkpoint's ensemble: the perturbation of its initial conditions (in
+# units of each channel's std), and the largest ensemble evaluated (its CRPS needs E^2 pairs
+# at every point).
+IC_PERTURBATION = 0.05
+MAX_ENSEMBLE = 64
 
 
 def batch_for_grid(channels: int, H: int, W: int) -> int:
@@ -87,4 +105,45 @@ def parse_flags(argv: Sequence[str], description: str = "") -> argparse.Namespac
     for name in ("lead_steps", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    E = args.ensemble_size
+    if E is not None and not 2 <= E <= MAX_ENSEMBLE:
+        raise ConfigError(f"--ensemble_size {E}: an ensemble is scored with 2 to {MAX_ENSEMBLE} "
+                          "members (one member has no spread, rank or CRPS of its own: leave "
+                          "the flag out for the deterministic scores)")
+    if args.ic_perturbation is not None and not args.ic_perturbation > 0:
+        raise ConfigError(f"--ic_perturbation {args.ic_perturbation}: a positive perturbation "
+                          "of a deterministic model's initial conditions expected")
     return args
+
+
+def ensemble_size(args: argparse.Namespace, cfg: Config) -> int | None:
+    """Members to evaluate: --ensemble_size, else an ensemble checkpoint's own; None: the
+    deterministic evaluation. ConfigError for flags that do not fit the checkpoint."""
+    if cfg.ensemble_size > 1 and args.ic_perturbation is not None:
+        raise ConfigError(f"--ic_perturbation: {cfg.config} is an ensemble of "
+                          f"{cfg.ensemble_size}, whose members differ by their own noise; "
+                          "perturbed initial conditions are for a deterministic checkpoint")
+    if cfg.ensemble_size == 1 and args.ic_perturbation is not None and not args.ensemble_size:
+        raise ConfigError(f"--ic_perturbation {args.ic_perturbation}: {cfg.config} is "
+                          "deterministic; its members start from perturbed initial conditions "
+                          "when --ensemble_size E asks for an ensemble")
+    if cfg.ensemble_size == 1 and args.deterministic:
+        raise ConfigError(f"--deterministic {args.deterministic}: the checkpoint evaluated is "
+                          "deterministic itself (its unperturbed forecast is scored beside "
+                          "its ensemble); --deterministic is for an ensemble checkpoint")
+    return args.ensemble_size or (cfg.ensemble_size if cfg.ensemble_size > 1 else None)
+
+
+def check_deterministic(path: str | None, beside: tuple[Config, dict[str, Any]] | None,
+                        cfg: Config) -> None:
+    """--deterministic's checkpoint: a deterministic model of the evaluated one's data."""
+    if beside is None:
+        return
+    other = beside[0]
+    if other.ensemble_size > 1:
+        raise ConfigError(f"--deterministic {path}: an ensemble of {other.ensemble_size} "
+                          "(ensemble_size > 1); give a deterministic model's checkpoint")
+    if (tuple(other.img_size), other.n_in_channels) != (tuple(cfg.img_size), cfg.n_in_channels):
+        raise ConfigError(f"--deterministic {path}: a model of {other.n_in_channels} channels "
+                          f"on {other.img_size}, the ensemble's is of {cfg.n_in_channels} on "
+                          f"{cfg.img_size}")

@@ -119,6 +119,14 @@ def forecast_files(out: str, cwd: Path) -> tuple[bool, str]:
     return verdict(ok, "<run dir>/forecast/ skill_vs_lead.png, skill.csv")
 
 
+def ensemble_files(out: str, cwd: Path) -> tuple[bool, str]:
+    m = re.search(r"Wrote ensemble_skill.csv, .* to (\S+)", out)
+    names = ("crps_vs_lead.png", "ensemble_skill.csv", "rank_histograms.png")
+    ok = bool(m) and all((cwd / m.group(1) / n).exists() for n in names)
+    return verdict(ok, "<run dir>/forecast/ crps_vs_lead.png, ensemble_skill.csv, "
+                       "rank_histograms.png")
+
+
 def run_dir_named(name: str) -> Check:
     """The run's directory is the one the README's comment names."""
     def check(out: str, cwd: Path) -> tuple[bool, str]:
@@ -164,11 +172,15 @@ LOOKS: list[tuple[Callable[[str], bool], Check]] = [
      line(r"\| peak RSS/rank \(GB\) \|", "memory per rank table")),
     (lambda t: t.startswith("make data-ens"),
      exists("datasets/synthetic_ens/stats/time_means.npy", "the forced planet's data set")),
-    (lambda t: "--config=cpu_ens" in t,
+    (lambda t: trains(t) and "--config=cpu_ens" in t,
      line(r"Ensemble of 4: spread\(u10m\)=[\d.]+ m/s; spread/skill [\d.]+ plain",
           "the ensemble's spread and spread/skill line")),
     (lambda t: "--ensemble_parallel_size 2" in t,
      line(r"Layout: DP = \d+, TP = 1, CP = 1, ENS = 2 ", "Layout line with ENS = 2")),
+    (lambda t: "inference.py" in t and "--config=cpu_ens" in t,
+     line(r"u10: ensemble CRPS below persistence's MAE at \d+ of \d+ leads; .*; [\d.]+ x the "
+          r"perfect-model ensemble's", "the ensemble's CRPS against its references")),
+    (lambda t: "inference.py" in t and "--config=cpu_ens" in t, ensemble_files),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"), forecast_files),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"),
      line(r": model RMSE above persistence .*; ACC below 0\.6 ", "where the skill runs out")),
