@@ -73,6 +73,7 @@ from bench.time_split import Split
 from distributed import comm
 from distributed.layout import Layout
 from networks import training_flops
+from training import compiling
 from training.setup import batch_sizes
 from utils.allocator import keep_freed_memory
 from utils.config import flag_parser, flags_given, load_yaml
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp_s = min(90.0, 0.25 * args.budget_s) if args.table and args.ddp_ranks > 1 else 0.0
     budget.seconds -= ddp_s  # kept for the DDP row, launched last
     base = config_of(args)
+    compiling.use_compile_cache(base.expdir)  # train.py's cache, before anything asks for one
     layout = Layout.data_parallel(base)  # train.py's: joins the job, picks the device
     device = layout.device
     keep_freed_memory()  # as training.setup.start_run

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TINY_ITERS_PER_EPOCH, assert_completed
 
-from training.compiling import CACHE_ENV, CACHE_SUBDIR, node_name, use_compile_cache
+from training.compiling import (
+    CACHE_ENV,
+    CACHE_SUBDIR,
+    cache_folder,
+    node_name,
+    use_compile_cache,
+)
 
 FIRST_STEP = re.compile(r"First step done ([\d.]+) s after the process started; torch\.compile "
                         r"([\d.]+) s for (\d+) graphs \(compile cache (.+): (\d+) hits, "
@@ -52,7 +58,7 @@ def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_r
     cold = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
     assert_completed(cold, 2 * TINY_ITERS_PER_EPOCH, epochs=2)
     first, whole = compile_lines(cold.stdout)
-    assert first.group(4) == str(logs / CACHE_SUBDIR / node_name())  # this node's
+    assert first.group(4) == str(logs / CACHE_SUBDIR / cache_folder())  # this node's
     assert int(first.group(5)) == 0 and int(first.group(6)) > 0  # compiled from scratch
     assert any((logs / CACHE_SUBDIR).rglob("*")), "nothing was written to the cache"
     # Validation, before step 1 and after each epoch, runs the model eagerly: no graph is
@@ -69,7 +75,7 @@ def test_a_second_job_of_the_same_config_compiles_from_the_cache_under_the_log_r
     warm = run_train("train.py", args, env_extra=env, log_dir=logs, timeout=600, nproc=2)
     assert_completed(warm, 2 * TINY_ITERS_PER_EPOCH)
     first, whole = compile_lines(warm.stdout)
-    assert first.group(4) == str(logs / CACHE_SUBDIR / node_name())
+    assert first.group(4) == str(logs / CACHE_SUBDIR / cache_folder())
     hits, misses = int(first.group(5)), int(first.group(6))
     assert misses == 0 and hits > 0, first.group(0)  # every graph came from the cache
     assert whole.group(2) == first.group(3)
@@ -80,6 +86,7 @@ def test_a_compile_cache_chosen_by_the_user_or_the_site_wins(tmp_path, monkeypat
     assert use_compile_cache(str(tmp_path / "logs")) == str(tmp_path / "site_cache")
     assert os.environ[CACHE_ENV] == str(tmp_path / "site_cache")
     monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     expected = str(tmp_path / "logs" / CACHE_SUBDIR / node_name())  # one per node
     assert use_compile_cache(str(tmp_path / "logs")) == expected
     assert os.environ[CACHE_ENV] == expected  # where Inductor looks, set before it compiles
@@ -94,6 +101,7 @@ def test_each_node_keeps_its_own_compile_cache_under_the_log_root(tmp_path, monk
     import socket
 
     monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     dirs = []
     for host in ("nid001234.chn.example.org", "nid001235"):
         monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
@@ -101,6 +109,20 @@ def test_each_node_keeps_its_own_compile_cache_under_the_log_root(tmp_path, monk
         monkeypatch.delenv(CACHE_ENV)
     assert dirs == [str(tmp_path / "logs" / CACHE_SUBDIR / "nid001234"),
                     str(tmp_path / "logs" / CACHE_SUBDIR / "nid001235")]
+
+
+def test_a_capped_vector_isa_keeps_its_own_compile_cache(tmp_path, monkeypatch):
+    """Inductor generates kernels for the vector width ATEN_CPU_CAPABILITY caps it to, and its
+    cache key leaves the cap out: walks of the tutorial under different caps (`make tutorial
+    CPU_CLASS=...`) must not find each other's kernels."""
+    dirs = []
+    for cap in ("", "avx2", "avx512"):
+        monkeypatch.delenv(CACHE_ENV, raising=False)
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        dirs.append(use_compile_cache(str(tmp_path / "logs")))
+    root = tmp_path / "logs" / CACHE_SUBDIR
+    assert dirs == [str(root / node_name()), str(root / f"{node_name()}-avx2"),
+                    str(root / f"{node_name()}-avx512")]
 
 
 def test_only_training_compiling_calls_torch_compile():

@@ -26,10 +26,14 @@ and the AOTAutograd cache of forward/backward graphs; on a GPU Triton's kernels 
 under /tmp, which a cluster node wipes or never shares, so every job would compile from
 scratch. Unless the user or the site preset already chose a directory, a run uses
 `<log root>/torch_compile_cache/<host name>`: one per node, shared by that node's ranks and
-reused by every later job on it. Not one for all nodes: Inductor serialises its writers with
-file locks, which a parallel file system (Lustre) makes slow or unreliable across nodes.
-Dynamo's Python-bytecode tracing is not cached; that part is paid by every job
-(training/compile_cost.py shows both).
+reused by every later job on it; under a capped vector ISA (`ATEN_CPU_CAPABILITY`, what
+`make tutorial CPU_CLASS=...` sets) one per cap too, `<host name>-<cap>`: Inductor generates
+its C++ kernels for the cap's vector width, but its cache key leaves the cap out, so kernels
+generated under the avx2 cap were found under the avx512 cap and corrupted the heap
+(`bench_step --table`'s compiled setting aborted; with its own cache it ran). Not one for
+all nodes: Inductor serialises its writers with file locks, which a parallel file system
+(Lustre) makes slow or unreliable across nodes. Dynamo's Python-bytecode tracing is not
+cached; that part is paid by every job (training/compile_cost.py shows both).
 """
 
 from __future__ import annotations
@@ -54,15 +58,22 @@ def node_name() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name) or "localhost"
 
 
+def cache_folder() -> str:
+    """This node's folder of the compile cache: its host name, then the vector ISA that
+    ATEN_CPU_CAPABILITY caps Inductor's kernels to, if it does (module docstring)."""
+    cap = re.sub(r"[^A-Za-z0-9_]", "_", os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    return node_name() + (f"-{cap}" if cap else "")
+
+
 def use_compile_cache(expdir: str) -> str:
-    """Point Inductor's caches at `<expdir>/torch_compile_cache/<host name>` unless
+    """Point Inductor's caches at `<expdir>/torch_compile_cache/<cache_folder()>` unless
     TORCHINDUCTOR_CACHE_DIR is set; returns the directory in use. Must run before anything
     asks Inductor for its cache directory: the first `torch.compile`, and (PyTorch 2.13)
     constructing DDP. Inductor then sets the variable to its /tmp default, and every later
     caller keeps that."""
     if not os.environ.get(CACHE_ENV):
         os.environ[CACHE_ENV] = os.path.abspath(os.path.join(expdir, CACHE_SUBDIR,
-                                                             node_name()))
+                                                             cache_folder()))
     return os.environ[CACHE_ENV]
 
 
