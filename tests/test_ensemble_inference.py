@@ -13,6 +13,8 @@ iterations) trained on a tiny forced planet, evaluated end to end.
   - the deterministic checkpoint's members start from perturbed initial conditions (said in
     the log) and its unperturbed forecast is the deterministic column, the same as when it
     stands beside the ensemble (--deterministic);
+  - on two ranks, splitting the initial conditions (dp) or the model (tp), every score and
+    rank histogram equals the serial evaluation's;
   - what does not fit is one line, exit code 2.
 And in-process: scores added lead by lead and batch by batch (as inference.py adds them)
 equal those of whole rollouts, a single forecast's CRPS is its MAE, and a perfect ensemble's
@@ -185,6 +187,34 @@ def test_a_deterministic_checkpoint_gets_members_from_perturbed_initial_conditio
     for channel in CHECKED:
         np.testing.assert_allclose(column(table, "crps_deterministic", channel),
                                    column(beside, "crps_deterministic", channel), rtol=1e-5)
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [[], ["--tp=2"]], ids=["dp2", "tp2"])
+def test_an_ensemble_scores_the_same_serially_and_in_parallel(runs, forced, ensemble, layout,
+                                                              tmp_path) -> None:
+    """Two ranks, splitting the initial conditions (dp) or the model (tp): the same members
+    (their noise keyed by the initial time), the same perfect-model ensemble and the same
+    tie-breaking draws, so every score and every rank histogram equals the serial run's."""
+    result = run_script("inference.py", [f"--lead_steps={LEAD}", f"--n_initial_conditions={N_ICS}",
+                                         "--batch_size=3", f"--checkpoint={runs['ens']}",
+                                         f"--deterministic={runs['det']}", f"--out={tmp_path}",
+                                         *layout],
+                        data_dir=forced, log_dir=runs["log_dir"], nproc=2, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    for name in ("ensemble_skill.csv", "rank_histograms.csv"):
+        parallel, serial = rows(tmp_path / name), rows(ensemble[1] / name)
+        assert len(parallel) == len(serial), name
+        for p, s in zip(parallel, serial, strict=True):
+            for key, value in s.items():
+                try:
+                    expected = float(value)
+                except ValueError:
+                    assert p[key] == value, (name, key)
+                    continue
+                np.testing.assert_allclose(float(p[key]), expected, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} {key} {s['channel']}")
 
 
 @pytest.mark.e2e
