@@ -28,8 +28,11 @@ def mp_commands() -> list[tuple[str, str]]:
             *(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")))]
     for doc in docs:
         for line in (REPO / doc).read_text().splitlines():
-            if "sbatch" in line and "submit_pm_mp.sh" in line and "--config=" in line:
-                found.append((doc, line.split("#", 1)[0].strip()))
+            # a command in a code block (up to its comment), or quoted in text or a table row
+            quoted = re.findall(r"`([^`]+)`", line)
+            for text in quoted or [line.split("#", 1)[0]]:
+                if "sbatch" in text and "submit_pm_mp.sh" in text and "--config=" in text:
+                    found.append((doc, text.strip()))
     return found
 
 
