@@ -241,11 +241,7 @@ def evaluate(model: torch.nn.Module, data: RolloutData, ics: list[InitialConditi
                     maps.append(whole_field(torch.stack([truth[0, map_channel],
                                                          x[0, map_channel]]), tile))
                 if save is not None:
-                    pending.append(x)
-                    if len(pending) == leads_per_write(x) or k == lead_steps:
-                        _save(save[0], save[1] + start, k + 1 - len(pending),
-                              torch.stack(pending, dim=1), refs, tile)
-                        pending = []
+                    save_lead(pending, x, k, lead_steps, save, start, refs, tile)
     return sums, torch.stack(maps, dim=1).cpu().numpy()
 
 
@@ -303,11 +299,7 @@ def evaluate_ensemble(model: torch.nn.Module, data: RolloutData, ics: list[Initi
                     maps.append(whole_field(torch.stack([truth[0, map_channel],
                                                          members[0, 0, map_channel]]), tile))
                 if save is not None:
-                    pending.append(members)
-                    if len(pending) == leads_per_write(x) or k == lead_steps:
-                        _save(save[0], save[1] + start, k + 1 - len(pending),
-                              torch.stack(pending, dim=2), refs, tile)
-                        pending = []
+                    save_lead(pending, members, k, lead_steps, save, start, refs, tile)
     return sums, torch.stack(maps, dim=1).cpu().numpy()
 
 
@@ -356,6 +348,18 @@ def leads_per_write(x: torch.Tensor, limit: int = 2**30) -> int:
     """Leads of a batch's forecasts `x` (B, C, H, W) written at a time: as many as fit in
     `limit` bytes of float32 (one at 0.25 degrees with 8 initial conditions)."""
     return max(1, limit // (x.numel() * 4))
+
+
+def save_lead(pending: list[torch.Tensor], forecast: torch.Tensor, k: int, lead_steps: int,
+              save: tuple[str, int], start: int, refs: References, tile) -> None:
+    """Queue lead k of a batch's forecasts, (B, C, H, W) or an ensemble's (B, E, C, H, W),
+    and write the queued leads (then cleared) once they fill `leads_per_write` or the
+    rollout ends."""
+    pending.append(forecast)
+    if len(pending) == leads_per_write(forecast) or k == lead_steps:
+        _save(save[0], save[1] + start, k + 1 - len(pending),
+              torch.stack(pending, dim=forecast.dim() - 3), refs, tile)
+        pending.clear()
 
 
 def _save(path: str, start: int, lead: int, forecast: torch.Tensor, refs: References,
