@@ -88,6 +88,21 @@ def _values(name: str, mean: float, spread: float, hours: np.ndarray, levels: in
     return (mean + spread * (0.5 * field + noise)).astype(np.float32)
 
 
+def new_store(out: str | Path, grid: str, times: np.ndarray):
+    """A replica store of WeatherBench-2's `grid` ERA5 store at `out` (zarr format 2, as
+    theirs), with its time coordinate."""
+    import zarr
+
+    root = zarr.open_group(str(out), mode="w", zarr_format=2)
+    root.attrs.update({"description": f"replica of WeatherBench-2's {grid} ERA5 store "
+                                      "(bench/era5_replica.py)"})
+    # No fill value for coordinates: xarray would read a time of 0 hours as missing.
+    root.create_array("time", data=times, chunks=(len(times),), fill_value=None, attributes={
+        "_ARRAY_DIMENSIONS": ["time"], "units": "hours since 1959-01-01",
+        "calendar": "proleptic_gregorian"})
+    return root
+
+
 def build(out: str | Path, years: list[int], first: str = FIRST, stop: str = STOP,
           days: int | None = None) -> Path:
     """Write the replica (module docstring) at `out`, with data in `years` (all of each, or
@@ -97,13 +112,7 @@ def build(out: str | Path, years: list[int], first: str = FIRST, stop: str = STO
     out = Path(out)
     coords = axes(first, stop)
     n = len(coords["time"])
-    root = zarr.open_group(str(out), mode="w", zarr_format=2)
-    root.attrs.update({"description": "replica of WeatherBench-2's 64x32 ERA5 store "
-                                      "(bench/era5_replica.py)"})
-    # No fill value for coordinates: xarray would read a time of 0 hours as missing.
-    root.create_array("time", data=coords["time"], chunks=(n,), fill_value=None, attributes={
-        "_ARRAY_DIMENSIONS": ["time"], "units": "hours since 1959-01-01",
-        "calendar": "proleptic_gregorian"})
+    root = new_store(out, "64x32", coords["time"])
     for name in ("level", "latitude", "longitude"):
         units = {"level": "millibars", "latitude": "degrees_north",
                  "longitude": "degrees_east"}[name]
@@ -151,12 +160,7 @@ def build_quarter(out: str | Path, years: list[int], written: int = 16) -> Path:
     n = len(coords["time"])
     lat = np.linspace(90.0, -90.0, rows)
     lon = 0.25 * np.arange(cols)
-    root = zarr.open_group(str(out), mode="w", zarr_format=2)
-    root.attrs.update({"description": "replica of WeatherBench-2's 1440x721 ERA5 store "
-                                      "(bench/era5_replica.py)"})
-    root.create_array("time", data=coords["time"], chunks=(n,), fill_value=None, attributes={
-        "_ARRAY_DIMENSIONS": ["time"], "units": "hours since 1959-01-01",
-        "calendar": "proleptic_gregorian"})
+    root = new_store(out, "1440x721", coords["time"])
     for name, values, units in (("level", coords["level"], "millibars"),
                                 ("latitude", lat, "degrees_north"),
                                 ("longitude", lon, "degrees_east")):
