@@ -103,7 +103,7 @@ class MatmulCeiling:
     def describe(self) -> str:
         parts = [f"{precision_label(d, self.device)} at {n}^3" for d, n in self.sizes.items()]
         parts += [f"{precision_label(d, self.device)} skipped ({r:.1f} GFLOP/s at 256^3: "
-                  "emulated)" for d, r in self.skipped.items()]
+                  "too slow for the budget)" for d, r in self.skipped.items()]
         return ", ".join(parts)
 
 
