@@ -111,6 +111,7 @@ MIN_VENV := .venv-min-torch
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_TORCH_TESTS := \
 	tests/test_ddp.py::test_two_ddp_ranks_end_with_the_same_parameters_as_one_process \
+	tests/test_comm.py::test_every_group_waits_as_long_as_the_job_says \
 	"tests/test_model_parallel_vit.py::test_matches_serial[tp2]" \
 	"tests/test_model_parallel_vit.py::test_matches_serial[cp2]" \
 	"tests/test_afno.py::test_spatial_model_matches_serial[h2xw2]" \

@@ -130,7 +130,8 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
         env = resolve_launch_env()
         if env.distributed:
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                    init_method=f"tcp://{env.master_addr}:{env.master_port}")
+                                    init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    timeout=collective_timeout())
     world = get_world_size()
     per_dp_rank = mp_ens_size(sizes)
     split = " x ".join(str(sizes.get(a, 1)) for a in sized)
@@ -140,11 +141,12 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     layout = RankGenerator({**sizes, "dp": world // per_dp_rank}, order)
     rank = get_world_rank()
     reset()
+    timeout = collective_timeout() if is_distributed() else None
     for name in GROUPS:  # a group of one rank: nothing crosses it, no process group is made
         _sizes[name], _ranks[name] = 1, 0
     for names, groups in layout.partitions():
         # collective over the whole world: every process makes every partition, in order
-        group = made_at_once(groups) if is_distributed() else None
+        group = made_at_once(groups, timeout) if is_distributed() else None
         members = next(g for g in groups if rank in g)
         for name in names:
             _sizes[name], _ranks[name], _groups[name] = len(members), members.index(rank), group
@@ -154,18 +156,20 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
         print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
 
 
-def made_at_once(groups: list[list[int]]) -> dist.ProcessGroup:
-    """This rank's group of `groups`, a partition of the world, made by every rank together.
-    On NCCL with a GPU bound to the world's group (`init_process`), where this PyTorch has
-    `split_group`: one split of the world's communicator makes all of them. Elsewhere (gloo,
-    an older PyTorch) one `new_group` after another (`new_subgroups_by_enumeration`); on
-    NCCL each of those would be a split that every rank of the world joins. One group of
-    the whole world is the world's own."""
+def made_at_once(groups: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
+    """This rank's group of `groups`, a partition of the world, made by every rank together,
+    its collectives bounded by `timeout`. On NCCL with a GPU bound to the world's group
+    (`init_process`), where this PyTorch has `split_group`: one split of the world's
+    communicator makes all of them (`split_arguments`). Elsewhere (gloo, an older PyTorch)
+    one `new_group` after another (`new_subgroups_by_enumeration`); on NCCL each of those
+    would be a split that every rank of the world joins. One group of the whole world is
+    the world's own. Without `timeout`, either way, a group would wait as long as its
+    backend's default, not the job's."""
     if len(groups) == 1:
         return dist.group.WORLD
     if splits_at_once():
-        return dist.split_group(split_ranks=groups)
-    mine, _ = dist.new_subgroups_by_enumeration(groups)
+        return dist.split_group(split_ranks=groups, **split_arguments(timeout))
+    mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     return mine
 
 
@@ -173,6 +177,29 @@ def splits_at_once() -> bool:
     """Whether `made_at_once` makes a partition's groups in one communicator split."""
     return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
             and getattr(dist.group.WORLD, "bound_device_id", None) is not None)
+
+
+def split_arguments(timeout: timedelta) -> dict[str, Any]:
+    """What `dist.split_group` needs, besides the ranks, for one split on every PyTorch
+    from 2.7 on: the timeout, and NCCL options of its own, never the world's.
+
+    Given no options, split_group takes the world backend's options object itself: in 2.7
+    and 2.8 it writes this split's timeout, parent, colour, rank list and name into it (the
+    world's collectives then wait as long as the split's); in 2.9 the C++ split writes
+    them, and computes the rank list from the parent's own, which the previous split has
+    overwritten: the second partition's split indexes past its end. 2.10 copies the
+    world's options instead. Given no timeout, every release gives the split NCCL's
+    default, not the world's. A new `ProcessGroupNCCL.Options` per split has the world's
+    settings (`init_process` makes the world with the defaults), and nothing to share."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout  # split_group sets it from `timeout` too, later
+    return {"timeout": timeout, "pg_options": options}
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective of this job waits for a peer (DIST_TIMEOUT_SEC): the world
+    group's and every group `init` makes."""
+    return timedelta(seconds=rendezvous.timeouts().collective)
 
 
 def shutdown() -> None:

@@ -233,6 +233,31 @@ def trace_step(cfg: Config, layout: Layout, local_batch: int,
     from planning.memory import _optimizer  # the planner's Adam, as on `device_type`
 
     trace = Trace(local_batch=local_batch)
+    with fake_model(cfg, layout, device_type) as model:
+        params = list(model.parameters())
+        if uses_ddp(cfg, layout):
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(
+                    lambda _, i=i: trace.events.append(Ready(i)))
+        run = step_run(cfg, layout, model, _optimizer(cfg, model, device_type),
+                       Phases([]), device_type)
+        inp, tar = batch(cfg, layout, local_batch)
+        Step()(run, inp, tar)
+        trace.events.clear()
+        run.prof = Phases(trace.events)
+        with StepTrace(trace.events):
+            Step()(run, inp, tar)
+    if uses_ddp(cfg, layout):
+        trace.events = with_ddp_buckets(trace.events, params, cfg.bucket_cap_mb)
+    if cfg.amp_mode == "fp16" and (layout.shares_loss or layout.fsdp):
+        trace.events = with_overflow_verdict(trace.events, layout)
+    return trace
+
+
+@contextlib.contextmanager
+def fake_model(cfg: Config, layout: Layout, device_type: str = "cuda") -> Iterator[nn.Module]:
+    """The model this rank trains, FSDP2 included, made of fake tensors, for the duration
+    (the fake mode stays on: what runs inside computes nothing); comm.init ran."""
     with torch.device("meta"):
         model = networks.build_model(cfg, layers=layout.layers)
     mesh = fsdp.mesh_of(comm.get_group("dp"), torch.device("cpu")) if layout.fsdp else None
@@ -244,28 +269,11 @@ def trace_step(cfg: Config, layout: Layout, local_batch: int,
             if mesh is not None:
                 model = fsdp.shard_model(model, mesh,
                                          reshard_after_forward=not cfg.no_reshard_after_forward)
-            params = list(model.parameters())
-            if uses_ddp(cfg, layout):
-                for i, p in enumerate(params):
-                    p.register_post_accumulate_grad_hook(
-                        lambda _, i=i: trace.events.append(Ready(i)))
-            run = step_run(cfg, layout, model, _optimizer(cfg, model, device_type),
-                           Phases([]), device_type)
-            inp, tar = batch(cfg, layout, local_batch)
-            Step()(run, inp, tar)
-            trace.events.clear()
-            run.prof = Phases(trace.events)
-            with StepTrace(trace.events):
-                Step()(run, inp, tar)
+            yield model
     finally:
         # Fake tensors' dispatch cache keeps a collective's outputs, and with them its
         # process group, which comm.shutdown() then cannot free.
         FakeTensorMode.cache_clear()
-    if uses_ddp(cfg, layout):
-        trace.events = with_ddp_buckets(trace.events, params, cfg.bucket_cap_mb)
-    if cfg.amp_mode == "fp16" and (layout.shares_loss or layout.fsdp):
-        trace.events = with_overflow_verdict(trace.events, layout)
-    return trace
 
 
 def ddp_buckets(params: list[torch.Tensor], ready: list[int], bucket_cap_mb: int
