@@ -38,6 +38,7 @@ import torch
 
 from tools.gpu_check import checks, environment, harness, ladder, memory
 from tools.gpu_check.report import Line, run_line, write
+from utils import devices
 
 # part: (estimated seconds on one H100/H200, what it is) -- docs/gpu_first_run.md
 PLAN = {"start": (20, "interpreter, torch, CUDA context, the one-rank NCCL group"),
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --parts {','.join(unknown)}: expected some of {', '.join(PARTS)}",
               file=sys.stderr)
         return 2
-    device = torch.device(args.device)
+    device = devices.of_kind(args.device)  # a GPU names its index: set_device needs it
     out = out_dir(args)
     work = args.work or out / "work"
     work.mkdir(parents=True, exist_ok=True)
