@@ -143,6 +143,25 @@ def test_a_failing_raising_oom_or_skipped_check_is_a_line_and_the_next_still_run
     assert all(line.estimate_s == 5 for line in lines)
 
 
+def test_out_of_memory_at_the_planners_batch_is_a_fail_with_the_planned_figures():
+    """The memory section's batch is the planner's pick at 90 % of the GPU: out of memory
+    there means the planner underestimated. (The error as PyTorch words it; on a CPU the
+    allocator's peaks read 0 through the same calls.)"""
+    from tools.gpu_check import memory
+
+    error = ("CUDA out of memory. Tried to allocate 318.00 MiB. GPU 0 has a total capacity "
+             "of 39.39 GiB of which 171.06 MiB is free.")
+    line = run_line("memory", "mp, tp 1", lambda: memory.out_of_memory(
+        "mp", devices.gpu(0), 12, 30.0, 39.39, error), 40)
+    assert line.status == "FAIL", line
+    assert line.number.startswith("batch 12 ran out of memory: planned tensors 30 GiB, peak ")
+    assert "(within 90% of the GPU's 39.4); at the failure allocated " in line.number
+    assert line.number.endswith(", tried to allocate 318.00 MiB")
+    assert line.detail.startswith("the planner underestimated")
+    assert line.data["out_of_memory"] and line.data["planned_peak_gib"] > 30
+    assert line.data["tried_to_allocate"] == "318.00 MiB"
+
+
 def test_the_report_is_markdown_to_paste_and_the_same_lines_as_json(tmp_path):
     lines = [Line("environment", "versions", "info", "torch 2.13.0"),
              Line("checks", "compile = eager", "FAIL", "1e-2 apart", "more than 1e-4 apart",
