@@ -67,6 +67,8 @@ def test_the_checks_that_mean_something_on_a_cpu_pass_there_and_are_reported(tmp
     overflow = by_name[("checks", "fp16 with a forced overflow")].data
     assert overflow["skipped"] and overflow["halved"] and overflow["scale"] == 65536
     assert by_name[("checks", "--fsdp --enable_jit = eager FSDP")].data["graphs"] == 1
+    recompute = by_name[("checks", "activation recomputation = plain")].data["peak_mib"]
+    assert 0 < recompute["blocks"] < recompute["none"], recompute
     planned = by_name[("memory", "tiny, tp 1")]
     assert planned.status == "ok" and abs(planned.data["tensors_error"]) <= 0.15, planned
     data, *rows = [line for line in lines if line.section == "ladder"]
