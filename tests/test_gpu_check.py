@@ -214,6 +214,17 @@ def test_the_download_asks_pip_for_binary_wheels_of_that_python_on_manylinux():
         wheels.platforms("2.12")
 
 
+def test_make_wheels_needs_a_pip_that_takes_several_platforms():
+    assert wheels.pip_problem("pip 20.3 from /x (python 3.7)") is None
+    assert wheels.pip_problem("pip 26.3 from /x (python 3.11)") is None
+    old = wheels.pip_problem("pip 18.1 from /x (python 3.6)", python="py")
+    assert old == ("pip 18.1 of py keeps one --platform only; make wheels gives several "
+                   "(manylinux 2.17 to the nodes' glibc) and needs pip >= 20.3: py -m pip "
+                   "install --upgrade pip, or give another PYTHON=<python>")
+    assert wheels.pip_problem("", python="py").startswith("py has no pip (make wheels runs")
+    assert wheels.pip_problem(f"pip {'.'.join(map(str, wheels.MIN_PIP))}") is None
+
+
 def test_only_what_the_interpreter_lacks_or_has_too_old_is_installed():
     assert wheels.unmet(["pytest>=1", "surely-not-a-package-here>=1", "pytest>=999"]) == \
         ["surely-not-a-package-here>=1", "pytest>=999"]
