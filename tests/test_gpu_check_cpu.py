@@ -2,8 +2,9 @@
 the checks that mean something there (tools/gpu_check/checks.py says what each proves):
 
   - compile = eager, fp16 with a forced overflow (the step skipped, the scale halved), bf16 +
-    fused Adam, recompute = plain, FSDP on a one-rank group, `--fsdp --enable_jit` = eager
-    FSDP (one graph, no break) pass; the CUDA-graph replay and TF32 say they need a GPU;
+    fused Adam (on a CPU that runs bf16 natively; elsewhere it says it needs one), recompute
+    = plain, FSDP on a one-rank group, `--fsdp --enable_jit` = eager FSDP (one graph, no
+    break) pass; the CUDA-graph replay and TF32 say they need a GPU;
   - memory: the planner's tensors within 15 % of the allocations the profiler measures
     (the tiny config);
   - the ladder's first two rows time the tiny config's real steps (the loader's workers
@@ -32,6 +33,7 @@ import pytest
 import torch
 from helpers import REPO, child_env
 
+from tools.gpu_check.environment import supports
 from tools.gpu_check.report import Line
 
 pytestmark = pytest.mark.e2e
@@ -58,8 +60,12 @@ def test_the_checks_that_mean_something_on_a_cpu_pass_there_and_are_reported(tmp
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     lines = [Line(**line) for line in report["lines"]]
     by_name = {(line.section, line.name): line for line in lines}
+    native_bf16 = supports(torch.device("cpu"))["bf16"]
     for name in CPU_CHECKS:
         line = by_name[("checks", name)]
+        if name == "bf16 + fused Adam" and not native_bf16:  # emulated: too slow to mean much
+            assert (line.status, line.detail) == ("skip", "no native bf16 on cpu"), line
+            continue
         assert line.status == "ok", (name, line.number, line.detail)
     assert by_name[("checks", "eager step = CUDA-graph replay")].detail == \
         "CUDA-graph capture needs a GPU"
@@ -88,7 +94,7 @@ def test_the_checks_that_mean_something_on_a_cpu_pass_there_and_are_reported(tmp
                       str(tmp_path / "spent"), timeout=120)
     assert spent.returncode == 0, (spent.stdout + spent.stderr)[-4000:]
     rows = json.loads((tmp_path / "spent" / "report.json").read_text())["lines"]
-    first = next(r for r in rows if r["section"] == "ladder")
+    first = next(r for r in rows if r["section"] == "ladder" and r["name"] != "data set")
     assert first["status"] == "skip" and first["detail"].startswith("the time budget is spent")
 
 
