@@ -47,6 +47,7 @@ from distributed import rendezvous
 from distributed.launch_env import LaunchEnv, resolve_launch_env
 from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
+from utils import devices
 from utils.errors import ConfigError, LaunchError
 from utils.openmp import threads_per_process
 from utils.parallel_axes import DEFAULT_ORDER, GROUPS, mp_ens_size
@@ -287,12 +288,12 @@ def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, t
     (`init`: the `sizes` of every axis but dp, tp=2, ens=2, ...)."""
     run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", cuda_index(env.local_rank, torch.cuda.device_count()))
+    device = process_device(env.local_rank,
+                            torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         set_cuda_defaults()
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(env))
     if env.distributed:
         # The ranks meet first (bounded by DIST_CONNECT_TIMEOUT_SEC; one line and exit 2 if
@@ -327,6 +328,14 @@ def set_cuda_defaults() -> None:
 ONE_GPU_PER_RANK = ("start at most as many ranks per node as it has GPUs (torchrun "
                     "--nproc_per_node, sbatch --ntasks-per-node), or bind one GPU to each "
                     "task (srun --gpus-per-task=1)")
+
+
+def process_device(local_rank: int, device_count: int, environ: Any = None) -> torch.device:
+    """The device of the rank `local_rank` of its node, which sees `device_count` GPUs:
+    its GPU (`cuda_index`), named with its index (utils/devices.py), or the CPU."""
+    if device_count == 0:
+        return torch.device("cpu")
+    return devices.gpu(cuda_index(local_rank, device_count, environ))
 
 
 def cuda_index(local_rank: int, device_count: int, environ: Any = None) -> int:

@@ -298,17 +298,19 @@ def _ddp_buckets(cfg: Config, layout: Layout) -> float:
 
 
 def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: str,
-                     measured: dict[str, float], step: int) -> str:
+                     measured: dict[str, float], step: int,
+                     how: str = "its own peak, reset once warm") -> str:
     """The log line of a warm step's memory (`step`, the second this process runs; the
     peak was reset just before it): `measured` (training.setup.memory_since_reset:
-    on a GPU the tensors' and the allocator's peaks, on a CPU the resident set) beside this
-    estimate of the tensors' peak, traced in the run's precision `amp_mode`. Only the logging
+    on a GPU the tensors' and the allocator's peaks, on a CPU the resident set; `how` it
+    was measured, `Step.measured_memory`) beside this estimate of the tensors' peak, traced
+    in the run's precision `amp_mode`. Only the logging
     rank traces (seconds); an estimate that cannot be traced says why in the line and never
     stops the run. Not under FSDP: its trace on the job's own dp group leaves FSDP state
     that keeps the group alive past comm.shutdown() (`python -m bench.memory_plan` traces FSDP
     on a fake world instead)."""
     parts = ", ".join(f"{gb:.2f} GB {what}" for what, gb in measured.items())
-    line = f"Memory of step {step} (its own peak, reset once warm): {parts}"
+    line = f"Memory of step {step} ({how}): {parts}"
     if comm.get_world_rank() != 0:
         return line
     if layout.fsdp:  # a trace of FSDP2 on the job's own dp group keeps that group alive

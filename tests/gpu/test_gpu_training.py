@@ -47,6 +47,10 @@ def test_cuda_graph_replays_train_like_eager_steps(tiny_data, tmp_path_factory):
     assert "Capturing the training step in a CUDA graph after 3 warm-up steps" in \
         graphs.output, graphs.output[-3000:]
     assert "CUDA graphs need a GPU" not in graphs.output
+    # step 2 is a replay, which allocates nothing: its memory line is the eager warm-up's
+    assert "Memory of step 2 (a replay allocates nothing: the last eager warm-up step " \
+        "before capture, its own peak): " in graphs.stdout, graphs.stdout[-3000:]
+    assert "GB in the graph's pool" in graphs.stdout
     assert_same_training(graphs, eager, "tiny", (1, 1), ITERS)
 
 

@@ -16,6 +16,8 @@ On a GPU, per config (`short`, `mp`):
   - the parts: allocator slack = reserved - allocated (FRAGMENTATION is its share of the
     tensors), outside the allocator = device used - reserved (CONTEXT_GIB), each set from
     what this measures (`calibration`).
+  - out of memory at that batch: a FAIL, the planner's figures beside the peaks at the
+    failure (`out_of_memory`): the planner underestimated, which is what this is for.
 On a CPU (the tests), the measurement is of the tensors alone: the profiler's allocation
 events over set-up and two steps (bench/bench_memory.py's `allocation_peaks`).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ import torch
 from planning import memory as planner
 from planning.memory import GIB
 from tools.gpu_check import harness
-from tools.gpu_check.report import Line, Outcome
+from tools.gpu_check.report import Line, Outcome, free_gpu_memory
 from utils.config import read_config
 
 MAX_BATCH = 64      # the largest local batch tried: time, not memory, bounds it beyond
@@ -85,6 +88,7 @@ def device_used_gib(device: torch.device) -> tuple[float, str]:
 
 def measure_gpu(cfg: Any, device: torch.device, batch: int) -> dict[str, float]:
     """Step 2's peaks after a reset once warm (module docstring), GiB."""
+    torch.cuda.reset_peak_memory_stats(device)  # an out-of-memory's peak is this config's
     run = harness.build(cfg.replace(local_batch_size=batch), device)
     shape = (batch, cfg.n_in_channels, *cfg.img_size)
     x, y = torch.randn(shape, device=device), torch.randn(shape, device=device)
@@ -125,17 +129,25 @@ def measure_cpu(cfg: Any, device: torch.device, batch: int) -> dict[str, float]:
 
 def planner_against_device(name: str, device: torch.device, work: str,
                            **keys: Any) -> Outcome:
-    """One config: the planner's estimate beside the measured peaks (module docstring)."""
+    """One config: the planner's estimate beside the measured peaks (module docstring).
+    On a GPU, running out of memory at the planner's own batch is a FAIL (`out_of_memory`)."""
     cfg = config_at(name, work, **keys)
+    total = 0.0  # GiB of the GPU
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / GIB
         batch, _ = largest_batch(cfg, device, total)
-        measured = measure_gpu(cfg, device, batch)
     else:
         batch = cfg.local_batch_size or cfg.global_batch_size
-        measured = measure_cpu(cfg, device, batch)
     estimate = planned(cfg, device, batch)
     tensors = estimate.peak / GIB
+    try:
+        measured = (measure_gpu if device.type == "cuda" else measure_cpu)(cfg, device, batch)
+    except torch.cuda.OutOfMemoryError as e:
+        failed = str(e)  # not the error: its traceback holds the run's tensors
+    else:
+        failed = None
+    if failed is not None:
+        return out_of_memory(name, device, batch, tensors, total, failed)
     data = {"config": name, "local_batch": batch, "amp_mode": cfg.amp_mode,
             "planned_tensors_gib": tensors, **measured}
     data["tensors_error"] = tensors / measured["allocated"] - 1
@@ -157,6 +169,31 @@ def planner_against_device(name: str, device: torch.device, work: str,
                f"{data['planned_peak_gib']:.2f}")
     return Outcome(ok, number, "" if ok else f"planner more than {TARGET:.0%} from the "
                    "reserved peak: paste the report into an issue", data)
+
+
+def out_of_memory(name: str, device: torch.device, batch: int, tensors: float,
+                  total: float, error: str) -> Outcome:
+    """The planner's batch ran out of memory: the planner said its peak fits FILL of the
+    GPU, so it underestimated, which this section exists to find. A FAIL with the planned
+    figures and those measured at the failure (the peaks since the run began, and the
+    allocation that failed, from PyTorch's `error` message)."""
+    at_failure = {"allocated": torch.cuda.max_memory_allocated(device) / GIB,
+                  "reserved": torch.cuda.max_memory_reserved(device) / GIB}
+    free_gpu_memory()
+    tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", error)
+    planned_peak = tensors + planner.allowance_gib(tensors)
+    data = {"config": name, "local_batch": batch, "out_of_memory": True,
+            "planned_tensors_gib": tensors, "planned_peak_gib": planned_peak,
+            "gpu_gib": total, "allocated_at_failure": at_failure["allocated"],
+            "reserved_at_failure": at_failure["reserved"],
+            "tried_to_allocate": tried.group(1) if tried else None}
+    number = (f"batch {batch} ran out of memory: planned tensors {tensors:.3g} GiB, peak "
+              f"{planned_peak:.3g} (within {FILL:.0%} of the GPU's {total:.3g}); at the "
+              f"failure allocated {at_failure['allocated']:.3g}, reserved "
+              f"{at_failure['reserved']:.3g} GiB"
+              + (f", tried to allocate {data['tried_to_allocate']}" if tried else ""))
+    return Outcome(False, number, "the planner underestimated: its batch does not fit; "
+                   "paste the report into an issue", data)
 
 
 def calibration(lines: list[Line]) -> list[str]:
