@@ -106,9 +106,13 @@ def run_checks(device: torch.device, work: Path, log: Path) -> list[Line]:
 
 def run_memory(device: torch.device, work: Path, log: Path) -> list[Line]:
     names = MEMORY_CONFIGS if device.type == "cuda" else ("tiny",)
-    return [say(run_line("memory", f"{name}, tp 1", lambda name=name:
-                         memory.planner_against_device(name, device, str(work)),
-                         PLAN["memory"][0] / len(names), log)) for name in names]
+    lines = [say(run_line("memory", f"{name}, tp 1", lambda name=name:
+                          memory.planner_against_device(name, device, str(work)),
+                          PLAN["memory"][0] / len(names), log)) for name in names]
+    if device.type == "cuda":  # the terms beyond the tensors, in fresh processes
+        lines.append(say(run_line("memory", "terms beyond the tensors", lambda:
+                                  memory.measure_terms(device, str(work)), 40, log)))
+    return lines
 
 
 def run_ladder(device: torch.device, work: Path, left: float, rows: int,
