@@ -182,24 +182,36 @@ def measure_terms(device: torch.device, work: str) -> Line:
     baseline = device_used_gib(device)  # this process, while the probe runs alone
     got = _child("probe", "--index", str(device.index or 0), "--baseline_gib", str(baseline),
                  "--work", work)
+    notes = [got.pop("note")] if "note" in got else []
     if torch.cuda.device_count() >= 2:
-        with tempfile.TemporaryDirectory() as tmp:
-            store = Path(tmp) / "store"
-            procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_check.memory", "nccl",
-                                       "--rank", str(r), "--store", str(store)],
-                                      cwd=harness.REPO, stdout=subprocess.PIPE, text=True)
-                     for r in (0, 1)]
-            outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
-                    for p in procs]
-        got["nccl_communicator_mib"] = max(o["nccl_communicator_mib"] for o in outs)
+        try:
+            got["nccl_communicator_mib"] = _nccl_pair()
+        except Exception as e:  # noqa: BLE001 - the other terms stand without NCCL's
+            notes.append(f"NCCL not measured ({type(e).__name__}: {str(e)[:120]})")
+    else:
+        notes.append("NCCL not measured: one GPU")
     terms = replace(MemoryTerms(), **got, measured=f"{torch.cuda.get_device_name(device)}, "
                     "make gpu-check")
     path = Path(work) / "memory_terms.json"
     terms.save(path)
     number = ", ".join(f"{k} {v:.3g}" for k, v in got.items())
     return Line("memory", "terms beyond the tensors", "info", number,
-                f"saved {path}: bench.memory_plan --memory_terms {path}",
+                "; ".join([*notes, f"saved {path}: bench.memory_plan --memory_terms {path}"]),
                 data={"measured": got, "path": str(path)})
+
+
+def _nccl_pair() -> float:
+    """MiB one communicator of two GPUs holds (the larger of its two ranks')."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        procs = [subprocess.Popen([sys.executable, "-m", "tools.gpu_check.memory", "nccl",
+                                   "--rank", str(r), "--store", str(store)],
+                                  cwd=harness.REPO, stdout=subprocess.PIPE, text=True)
+                 for r in (0, 1)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a rank of the two-GPU communicator failed")
+    return max(json.loads(o.strip().splitlines()[-1])["nccl_communicator_mib"] for o in outs)
 
 
 def calibration(lines: list[Line]) -> list[str]:
@@ -226,7 +238,7 @@ def calibration(lines: list[Line]) -> list[str]:
     return out
 
 
-def _probe(index: int, baseline: float, work: str) -> dict[str, float]:
+def _probe(index: int, baseline: float, work: str) -> dict[str, Any]:
     """In a fresh process: the context, cuBLAS's workspaces, the step's kernels and, where
     DALI and the ladder's data set are there, one DALI pipeline (GiB, MiB as named)."""
     device = torch.device("cuda", index)
@@ -251,20 +263,25 @@ def _probe(index: int, baseline: float, work: str) -> dict[str, float]:
     outside = device_used_gib(device) - baseline - torch.cuda.memory_reserved() / GIB
     got = {"context_gib": context, "kernels_gib": outside - context,
            "cublas_workspace_mib": workspaces, "cublas_workspaces": 1}
-    return {**got, **_dali(cfg, work, device)}
+    try:
+        return {**got, **_dali(cfg, work, device)}
+    except Exception as e:  # noqa: BLE001 - DALI is optional: the other terms stand
+        return {**got, "note": f"DALI not measured ({type(e).__name__}: {str(e)[:120]})"}
 
 
-def _dali(cfg: Any, work: str, device: torch.device) -> dict[str, float]:
+def _dali(cfg: Any, work: str, device: torch.device) -> dict[str, Any]:
     """One DALI pipeline's buffers as outputs per tensor (planning/memory_terms.py)."""
     from tools.gpu_check.ladder import paths
 
     data = Path(work) / f"data_{cfg.img_size[0]}x{cfg.img_size[1]}"
     try:
+        import nvidia.dali  # noqa: F401 - optional
+
         from data.dali import get_data_loader_dali
     except ImportError:
-        return {}
+        return {"note": "DALI not measured: nvidia.dali is not installed"}
     if not (data / "stats" / "time_means.npy").exists():
-        return {}
+        return {"note": "DALI not measured: the ladder's data set is not there yet"}
     batch = 4
     before = device_used_gib(device) - torch.cuda.memory_reserved() / GIB
     cfg = cfg.replace(data_loader_config="dali", num_data_workers=2, **paths(data))
