@@ -10,8 +10,9 @@ A row holds the layout (dp, tp, cp, h, w, fsdp, activation_checkpointing), the b
 model's FLOPs per sample (analytic: `networks.training_flops`, forward and backward), what
 this rank's step was counted to do (`rank_flops`, `rank_bytes`), the step's split by the
 time model (`compute_s`, `exposed_s` by axis, `step_s`) and the job's `samples_per_s` (the
-global batch over the slowest role's step), the planner's `peak_gb`, `fits` the GPU's
-memory, `groups_ok`, the step's `collectives` and the dry run's `wall_s` for the row.
+global batch over the slowest role's step), the planner's `peak_gb`, `fits` what CUDA
+reports of the GPU's memory (planning/memory_terms.py), `groups_ok`, the step's
+`collectives` and the dry run's `wall_s` for the row.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import networks
 from planning.dry_run import Job, Role
 from planning.layouts import fastest_key, layouts
+from planning.memory_terms import usable_gib
 from planning.time_model import TimeModel
 from utils.config_schema import Config
 
@@ -42,7 +44,8 @@ def role_row(job: Job, role: Role, model: TimeModel) -> dict[str, Any]:
         "rank_flops": role.trace.flops(), "rank_bytes": role.trace.nbytes(),
         "compute_s": split.compute_s, "exposed_s": split.exposed, "link_busy_s": split.busy,
         "step_s": split.step_s, "samples_per_s": job.global_batch / split.step_s,
-        "peak_gb": peak, "fits": None if peak is None else peak <= model.gpu.memory_gb,
+        "peak_gb": peak,
+        "fits": None if peak is None else peak <= usable_gib(model.gpu.memory_gb),
         "memory": role.memory, "groups_ok": role.groups_ok, "group_problems": role.problems,
         "collectives": job.collective_rows(role.trace.collectives),
         "gpu": model.gpu.name, "network": model.network.name,

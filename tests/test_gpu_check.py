@@ -147,18 +147,21 @@ def test_out_of_memory_at_the_planners_batch_is_a_fail_with_the_planned_figures(
     """The memory section's batch is the planner's pick at 90 % of the GPU: out of memory
     there means the planner underestimated. (The error as PyTorch words it; on a CPU the
     allocator's peaks read 0 through the same calls.)"""
+    from planning.memory import GIB, Estimate
     from tools.gpu_check import memory
 
     error = ("CUDA out of memory. Tried to allocate 318.00 MiB. GPU 0 has a total capacity "
              "of 39.39 GiB of which 171.06 MiB is free.")
+    estimate = Estimate({"activations": 30.0 * GIB}, "backward", 30.0 * GIB, 20.0 * GIB)
     line = run_line("memory", "mp, tp 1", lambda: memory.out_of_memory(
-        "mp", devices.gpu(0), 12, 30.0, 39.39, error), 40)
+        "mp", devices.gpu(0), 12, estimate, 39.39, error), 40)
     assert line.status == "FAIL", line
-    assert line.number.startswith("batch 12 ran out of memory: planned tensors 30 GiB, peak ")
+    assert line.number.startswith("batch 12 ran out of memory: planned allocated 30")
     assert "(within 90% of the GPU's 39.4); at the failure allocated " in line.number
     assert line.number.endswith(", tried to allocate 318.00 MiB")
     assert line.detail.startswith("the planner underestimated")
-    assert line.data["out_of_memory"] and line.data["planned_peak_gib"] > 30
+    assert line.data["out_of_memory"] and line.data["planned_tensors_gib"] == 30.0
+    assert line.data["planned_in_use_gib"] > line.data["planned_reserved_gib"] > 30
     assert line.data["tried_to_allocate"] == "318.00 MiB"
 
 

@@ -117,7 +117,8 @@ def start_up(device: torch.device, started: float) -> Line:
 def not_run(parts: list[str], device: torch.device, why: str) -> list[Line]:
     """A skip line for each check, memory config and ladder row of `parts`."""
     names = {"checks": [name for name, _, _ in checks.CHECKS],
-             "memory": [f"{name}, tp 1" for name in memory_configs(device)],
+             "memory": [f"{name}, tp 1" for name in memory_configs(device)]
+             + (["terms beyond the tensors"] if device.type == "cuda" else []),
              "ladder": [row[0] for row in ladder.LADDER] + [ladder.GRAPHS[0]]}
     return [Line(part, name, "skip", detail=why) for part in parts if part in names
             for name in names[part]]
@@ -138,6 +139,9 @@ def run_memory(device: torch.device, work: Path, log: Path) -> Iterator[Line]:
         yield run_line("memory", f"{name}, tp 1", lambda name=name:
                        memory.planner_against_device(name, device, str(work)),
                        PLAN["memory"][0] / len(names), log)
+    if device.type == "cuda":  # the terms beyond the tensors, in fresh processes
+        yield run_line("memory", "terms beyond the tensors", lambda:
+                       memory.measure_terms(device, str(work)), 40, log)
 
 
 def run_ladder(device: torch.device, work: Path, args: argparse.Namespace, log: Path,
