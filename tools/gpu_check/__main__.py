@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tools.gpu_check import checks, environment, harness, ladder, memory
+from tools.gpu_check import checks, environment, harness, ladder, memory, rates
 from tools.gpu_check.report import Line, run_line, write
 
 # part: (estimated seconds on one H100/H200, what it is) -- docs/gpu_first_run.md
@@ -44,13 +44,15 @@ PLAN = {"start": (20, "interpreter, torch, CUDA context, the one-rank NCCL group
         "environment": (2, "versions, the GPU, optional parts"),
         "checks": (sum(e for _, _, e in checks.CHECKS), "the correctness checks"),
         "memory": (80, "planner traces and two measured runs (short, mp)"),
+        "rates": (3, "the time model's operator rates, written as machine.json"),
         "ladder": (sum(row[3] for row in ladder.LADDER) + ladder.GRAPHS[1],
                    "7 rows of the short config, the compile and graphs rows included")}
 # 7 minutes: `make gpu-check` spends up to a minute before (preflight, installing wheels)
 BUDGET_S = 420.0
-PARTS = ("environment", "checks", "memory", "ladder")
+PARTS = ("environment", "checks", "memory", "rates", "ladder")
 SECTIONS = {"environment": "Environment", "checks": "Checks",
             "memory": "Memory: the planner against the GPU",
+            "rates": "Rates: what each operator reaches (the dry run's --machine_file)",
             "ladder": "The ladder (config short, one GPU)"}
 MEMORY_CONFIGS = ("short", "mp")
 
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += environment.lines(facts) if "environment" in parts else []
     lines += run_checks(device, work, log) if "checks" in parts else []
     lines += run_memory(device, work, log) if "memory" in parts else []
+    if "rates" in parts:  # tools/gpu_check/rates.py; small shapes on a CPU
+        lines.append(say(run_line("rates", "operator rates", lambda: rates.measure_and_write(
+            device, out, work, small=device.type != "cuda"), PLAN["rates"][0], log)))
     if "ladder" in parts:
         left = args.budget_s - (time.perf_counter() - started) - 10
         lines += run_ladder(device, work, left, args.ladder_rows, data)
