@@ -7,7 +7,7 @@ writes (tools/gpu_check/rates.py):
   - a machine file round-trips (write, read: the same rates), and a bad one is refused in
     one line naming the file and the entry;
   - the gpu-check's sweep runs on a CPU (small shapes), writes a machine file, and the dry
-    run reads it in place of the defaults.
+    run reads it in place of the defaults (where this PyTorch runs the dry run).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bench import dry_run
+from planning.fake_world import runs_collectives_on_fake_tensors
 from planning.machines import GPUS
 from planning.rates import (
     Curve,
@@ -31,6 +32,10 @@ from tools.gpu_check import rates as sweep
 from utils.errors import UserError
 
 SIZES = [10.0**e for e in range(3, 14)]
+# The dry run steps on fake tensors through the collectives: an older PyTorch cannot.
+FAKE_STEPS = pytest.mark.skipif(not runs_collectives_on_fake_tensors(),
+                                reason=f"PyTorch {torch.__version__} has no fake kernels for "
+                                "the c10d collectives")
 
 
 def _rising(curve: Curve) -> bool:
@@ -107,11 +112,17 @@ def test_a_bad_machine_file_is_refused_in_one_line(tmp_path, edit, words) -> Non
         read_machine_file(tmp_path / "missing.json")
 
 
-def test_the_gpu_checks_sweep_writes_a_machine_file_the_dry_run_reads(tmp_path, capsys
-                                                                       ) -> None:
-    outcome = sweep.measure_and_write(torch.device("cpu"), tmp_path, tmp_path, small=True)
-    assert outcome.ok
-    path = tmp_path / sweep.MACHINE_FILE
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple:
+    """The gpu-check's sweep on this CPU (small shapes): its line and machine file."""
+    out = tmp_path_factory.mktemp("rates")
+    outcome = sweep.measure_and_write(torch.device("cpu"), out, out, small=True)
+    return outcome, out / sweep.MACHINE_FILE
+
+
+def test_the_gpu_checks_sweep_writes_a_machine_file(swept) -> None:
+    outcome, path = swept
+    assert outcome.ok and outcome.data["machine_file"] == str(path)
     rates = read_machine_file(path)
     assert isinstance(rates, MachineRates) and rates.name == "cpu"
     for curve in [*rates.gemm_curves.values(), rates.memory_curve,
@@ -119,10 +130,15 @@ def test_the_gpu_checks_sweep_writes_a_machine_file_the_dry_run_reads(tmp_path, 
         assert not curve.problems("measured") and len(curve.points) >= 2
     assert all(math.isfinite(v) and v > 0 for v in
                (rates.launch_s, rates.h2d_bytes_per_s, rates.host_bytes_per_s))
+
+
+@FAKE_STEPS
+def test_the_dry_run_reads_the_sweeps_machine_file(swept, capsys) -> None:
+    _, path = swept
     assert dry_run.main(["--config", "tiny", "--gpus", "1", "--machine_file", str(path),
                          "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
-    assert row["rates"] == "cpu" and row["step_s"] > 0
+    assert row["rates"] == "cpu" and row["compute_factor"] == 1.0 and row["step_s"] > 0
     # a CPU's rates are slower than an A100's defaults: the same step takes longer
     assert dry_run.main(["--config", "tiny", "--gpus", "1", "--json"]) == 0
     [default] = json.loads(capsys.readouterr().out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 from helpers import CONFIG_FILE
 
+from planning.fake_world import runs_collectives_on_fake_tensors
 from planning.machines import GPUS, NETWORKS
 from planning.predict import scaling_rows
 from planning.rates import default_rates
@@ -82,6 +83,8 @@ def test_a_large_job_reads_more_than_its_share_of_the_file_system() -> None:
     assert big_low.straggler_s > small_low.straggler_s > small_high.straggler_s > 0
 
 
+@pytest.mark.skipif(not runs_collectives_on_fake_tensors(),
+                    reason="this PyTorch has no fake kernels for the c10d collectives")
 def test_weak_scaling_is_a_range_with_its_terms_named() -> None:
     cfg = read_config(CONFIG_FILE, "tiny", environ={})
     model = TimeModel(GPUS["a100-40gb"], NETWORKS["perlmutter"])
