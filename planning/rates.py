@@ -109,9 +109,9 @@ class MachineRates:
     gemm_curves: dict[str, Curve]
     attention_curves: dict[str, dict[int, Curve]]  # dtype -> kernel head dim -> by key length
     memory_curve: Curve
-    launch_s: float = LAUNCH_S
-    h2d_bytes_per_s: float = 25.6e9
-    host_bytes_per_s: float = HOST_BYTES_PER_S
+    launch_s: float  # a kernel's floor
+    h2d_bytes_per_s: float  # a pinned batch's copy to the GPU
+    host_bytes_per_s: float  # a loader process's read and normalisation
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -195,8 +195,8 @@ def default_rates(gpu: Gpu) -> MachineRates:
     attention["fp32"] = {128: Curve(tuple((s, f * FP32_ATTENTION * three_tf32)
                                           for s, f in ATTENTION_FALLOFF))}
     memory = Curve(tuple((s, f * gpu.hbm) for s, f in MEMORY))
-    return MachineRates(gpu.name, gemm, attention, memory,
-                        h2d_bytes_per_s=PCIE[gpu.name] * PCIE_REACHED,
+    return MachineRates(gpu.name, gemm, attention, memory, LAUNCH_S,
+                        PCIE[gpu.name] * PCIE_REACHED, HOST_BYTES_PER_S,
                         source="published defaults (planning/rates.py)")
 
 
