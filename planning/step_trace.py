@@ -28,6 +28,7 @@ What a fake step cannot run is written down from what it shows:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -61,11 +62,15 @@ SDPA_CPU = {"_scaled_dot_product_flash_attention_for_cpu": "forward",
 
 @dataclass(frozen=True)
 class Compute:
-    """One operator's work: matmul FLOPs (in `dtype`), and bytes read and written."""
+    """One operator's work: matmul FLOPs (in `dtype`), and bytes read and written; its kind
+    ("gemm", "attention" or "memory": everything else) and, for attention, its shape
+    (batch x heads, query length, key length, head dim)."""
 
     flops: float
     nbytes: float
     dtype: torch.dtype | None  # the matmul's input dtype; None: no matmul
+    kind: str = "memory"
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ class StepTrace(CollectiveRecorder):
                 self.events.append(Wait(call))
                 self.unread = {s: c for s, c in self.unread.items() if c is not call}
         flops, dtype = _flops(func, name, args, kwargs, out)
-        self.events.append(Compute(flops, _traffic(func, args, kwargs, out), dtype))
+        kind, shape = _kind(name, args, flops)
+        self.events.append(Compute(flops, _traffic(func, args, kwargs, out), dtype, kind, shape))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -157,6 +163,14 @@ def _flops(func: Any, name: str, args: tuple, kwargs: dict, out: Any
         return 0.0, None
     first = next(a for a in args if isinstance(a, torch.Tensor))
     return float(formula(*args, **kwargs, out_val=out)), first.dtype
+
+
+def _kind(name: str, args: tuple, flops: float) -> tuple[str, tuple[int, ...]]:
+    """The operator's kind for the time model, and an attention's shape (`Compute`)."""
+    if name in SDPA_CPU:
+        q, k = args[:2] if SDPA_CPU[name] == "forward" else args[1:3]
+        return "attention", (math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1])
+    return ("gemm", ()) if flops else ("memory", ())
 
 
 def _traffic(func: Any, args: tuple, kwargs: dict, out: Any) -> float:

@@ -7,6 +7,7 @@ the checks that mean something there (tools/gpu_check/checks.py says what each p
     break) pass; the CUDA-graph replay and TF32 say they need a GPU;
   - memory: the planner's tensors within 15 % of the allocations the profiler measures
     (the tiny config);
+  - rates: the operator rates measured (small shapes) into a machine file the dry run reads;
   - the ladder's first two rows time the tiny config's real steps (the loader's workers
     too), with model FLOP/s from its counted FLOPs beside the tutorial's published numbers;
     the CUDA-graph row says it needs a GPU; with no time left, a row is skipped and said;
@@ -33,6 +34,7 @@ import pytest
 import torch
 from helpers import REPO, child_env
 
+from planning.rates import read_machine_file
 from tools.gpu_check.environment import supports
 from tools.gpu_check.report import Line
 
@@ -77,6 +79,8 @@ def test_the_checks_that_mean_something_on_a_cpu_pass_there_and_are_reported(tmp
     assert 0 < recompute["blocks"] < recompute["none"], recompute
     planned = by_name[("memory", "tiny, tp 1")]
     assert planned.status == "ok" and abs(planned.data["tensors_error"]) <= 0.15, planned
+    measured = by_name[("rates", "operator rates")]  # the dry run's machine file
+    assert measured.status == "ok" and read_machine_file(measured.data["machine_file"])
     data, *rows = [line for line in lines if line.section == "ladder"]
     assert data.name == "data set" and data.status == "info", data
     assert [r.name for r in rows] == ["fp32, no loader workers", "+ 4 loader workers",

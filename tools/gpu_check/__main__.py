@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from tools.gpu_check import checks, environment, harness, ladder, memory
+from tools.gpu_check import checks, environment, harness, ladder, memory, rates
 from tools.gpu_check.report import Line, run_line, write
 from utils import devices
 
@@ -46,13 +46,15 @@ PLAN = {"start": (20, "interpreter, torch, CUDA context, the one-rank NCCL group
         "environment": (2, "versions, the GPU, optional parts"),
         "checks": (sum(e for _, _, e in checks.CHECKS), "the correctness checks"),
         "memory": (80, "planner traces and two measured runs (short, mp)"),
+        "rates": (3, "the time model's operator rates, written as machine.json"),
         "ladder": (sum(row[3] for row in ladder.LADDER) + ladder.GRAPHS[1],
                    "7 rows of the short config, the compile and graphs rows included")}
 # 7 minutes: `make gpu-check` spends up to a minute before (preflight, installing wheels)
 BUDGET_S = 420.0
-PARTS = ("environment", "checks", "memory", "ladder")
+PARTS = ("environment", "checks", "memory", "rates", "ladder")
 SECTIONS = {"environment": "Environment", "checks": "Checks",
             "memory": "Memory: the planner against the GPU",
+            "rates": "Rates: what each operator reaches (the dry run's --machine_file)",
             "ladder": "The ladder (config short, one GPU)"}
 MEMORY_CONFIGS = ("short", "mp")
 
@@ -119,6 +121,7 @@ def not_run(parts: list[str], device: torch.device, why: str) -> list[Line]:
     names = {"checks": [name for name, _, _ in checks.CHECKS],
              "memory": [f"{name}, tp 1" for name in memory_configs(device)]
              + (["terms beyond the tensors"] if device.type == "cuda" else []),
+             "rates": ["operator rates"],
              "ladder": [row[0] for row in ladder.LADDER] + [ladder.GRAPHS[0]]}
     return [Line(part, name, "skip", detail=why) for part in parts if part in names
             for name in names[part]]
@@ -154,8 +157,14 @@ def run_ladder(device: torch.device, work: Path, args: argparse.Namespace, log: 
                                  log=log)
 
 
+def run_rates(device: torch.device, out: Path, work: Path, log: Path) -> Iterator[Line]:
+    """tools/gpu_check/rates.py: the time model's rates, small shapes on a CPU."""
+    yield run_line("rates", "operator rates", lambda: rates.measure_and_write(
+        device, out, work, small=device.type != "cuda"), PLAN["rates"][0], log)
+
+
 def run_parts(lines: list[Line], parts: list[str], device: torch.device, args:
-              argparse.Namespace, work: Path, log: Path, started: float) -> None:
+              argparse.Namespace, out: Path, work: Path, log: Path, started: float) -> None:
     """Every part, each line appended to `lines` as it comes (the report holds what ran
     whatever stops the run). A failed start-up skips what needs it."""
     start = say(run_line("environment", "start", lambda: start_up(device, started),
@@ -170,6 +179,7 @@ def run_parts(lines: list[Line], parts: list[str], device: torch.device, args:
     run = {"environment": lambda: environment.lines(environment.facts(device)),
            "checks": lambda: run_checks(device, work, log),
            "memory": lambda: run_memory(device, work, log),
+           "rates": lambda: run_rates(device, out, work, log),
            "ladder": lambda: run_ladder(device, work, args, log, started, data)}
     try:
         for part in (p for p in PARTS if p in parts):
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "torch_compile_cache"))
     lines: list[Line] = []
     try:
-        run_parts(lines, parts, device, args, work, log, started)
+        run_parts(lines, parts, device, args, out, work, log, started)
     finally:  # whatever stopped the run, the report of what ran
         md, js = report(out, args, device, lines, started)
         print(f"gpu-check: {sum(line.status == 'FAIL' for line in lines)} failed; report "
