@@ -144,7 +144,8 @@ def test_the_gpu_start_up_passes_pytorchs_index_check_and_its_failure_still_writ
     assert start.detail.startswith(("AttributeError", "RuntimeError", "AssertionError")), start
     assert by_name[("environment", "GPU")].status == "FAIL"
     not_run = [line for (section, _), line in by_name.items() if section != "environment"]
-    assert len(not_run) == 8 + 2 + 7  # the checks, memory's two configs, the ladder's rows
+    # the checks, memory's two configs and its terms, the rates, the ladder's rows
+    assert len(not_run) == 8 + 2 + 1 + 1 + 7
     assert {line.detail for line in not_run} == {"not run: the start-up failed (the line "
                                                  "'start')"}
     assert "Result: **2 failed**: start, GPU" in (out / "report.md").read_text()
