@@ -31,6 +31,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +54,10 @@ from utils.openmp import threads_per_process
 from utils.parallel_axes import DEFAULT_ORDER, GROUPS, mp_ens_size
 
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
+# gloo's TCP device is freed by whichever thread drops its last pair, so its loop thread can
+# still be ending just after destroy_process_group() returns; a group that is really held
+# keeps its threads for good.
+SHUTDOWN_GRACE_SEC = 2.0
 
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
@@ -226,6 +231,11 @@ def shutdown() -> None:
     dist.destroy_process_group()  # unregisters every group; `held` keeps ours alive until...
     held.clear()  # ...here, where they are freed and their threads joined, GIL released
     left = gloo_threads()
+    waited = 0.0
+    while left and waited < SHUTDOWN_GRACE_SEC:  # a transport thread still ending its loop
+        time.sleep(0.05)
+        waited += 0.05
+        left = gloo_threads()
     if left:
         logging.getLogger("comm").warning(
             f"{left} gloo threads outlived comm.shutdown(): something still holds a "
