@@ -30,7 +30,7 @@ def test_an_ensemble_resumes_with_its_members_split_over_two_ranks(run_train):
     run = run_train("train.py", [*ARGS, "--ensemble_parallel_size=2", f"--resume={ckpt4}"],
                     nproc=2)
     assert_completed(run, 8, epochs=1)
-    assert "Layout: DP = 1, TP = 1, CP = 1, ENS = 2 (order tp-cp-ens-dp)" in run.stdout
+    assert "Layout: DP = 1, TP = 1, CP = 1, ENS = 2 (order tp-cp-h-w-ens-dp)" in run.stdout
     assert "members 0-1 on this rank, the others on its 1 ens peer(s)" in run.stdout
     assert f"Resumed from {ckpt4}: iteration 4" in run.stdout
     got, want = losses(run), losses(ref)
