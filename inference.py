@@ -466,13 +466,13 @@ def main(args: argparse.Namespace) -> None:
                     "initial_conditions": [ic.to_dict() for ic in ics]}
         from tools.forecast_report import report, report_ensemble  # only rank 0 draws
 
-        report(skill, out_dir, [*HEADLINE, *args.channels], maps,
-               args.map_channel, metadata)
-        if scores is not None:
-            report_ensemble(scores.skill(len(ics), refs.scale.tolist(),
-                                         data.lead_hours(args.lead_steps), refs.channels,
-                                         norm.regions),
-                            out_dir, args.channels, metadata)
+        ensemble = None if scores is None else scores.skill(
+            len(ics), refs.scale.tolist(), data.lead_hours(args.lead_steps), refs.channels,
+            norm.regions)
+        report(skill, out_dir, [*HEADLINE, *args.channels], maps, args.map_channel, metadata,
+               ensemble)
+        if ensemble is not None:
+            report_ensemble(ensemble, out_dir, args.channels, metadata)
 
 
 if __name__ == "__main__":
