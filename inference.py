@@ -91,6 +91,7 @@ from evaluation.references import References
 from evaluation.scores import Normaliser, whole_field
 from evaluation.truth_file import write_truth
 from training.checkpoint import (
+    check_model_keys,
     latest_checkpoint,
     load_model_weights,
     read_checkpoint,
@@ -98,7 +99,7 @@ from training.checkpoint import (
 from training.logs import config_logger, log_to_file
 from training.run_dirs import checkpoint_of_run, newest_checkpointed
 from training.script_exit import run_main
-from utils.config import read_config, saved_config
+from utils.config import read_config, run_config, saved_config
 from utils.config_schema import Config
 from utils.errors import CheckpointError, ConfigError
 from utils.parallel_axes import MODEL_PARALLEL_KEYS
@@ -141,15 +142,18 @@ def run_directory(checkpoint: str) -> str:
 
 
 def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, Any]]:
-    """(config, checkpoint): the --config section (checked against the checkpoint) or the
-    config saved in the checkpoint, with the evaluation's own layout (serial unless the
-    flags say otherwise) and precision."""
-    cfg = read_config(args.yaml_config, args.config) if args.config else None
-    ckpt = read_checkpoint(path, cfg)
-    if cfg is None:
-        if not isinstance(ckpt.get("params"), dict):
-            raise ConfigError(f"{path} holds no config: give --config")
-        cfg = saved_config(ckpt["params"], where=path)
+    """(config, checkpoint): the --config section as the run trained with it (with its
+    flags: `utils.config.run_config`), or the config saved in the checkpoint, with the
+    evaluation's own layout (serial unless the flags say otherwise) and precision."""
+    ckpt = read_checkpoint(path, None)
+    saved = ckpt.get("params") if isinstance(ckpt.get("params"), dict) else None
+    if args.config:
+        cfg = run_config(args.yaml_config, args.config, saved, path)
+    elif saved is None:
+        raise ConfigError(f"{path} holds no config: give --config")
+    else:
+        cfg = saved_config(saved, where=path)
+    check_model_keys(ckpt, cfg, path)
     # A train_mp.py run saved its layout: the evaluation chooses its own. The schema checks
     # that the sizes fit the model (e.g. tp divides the heads), as for training.
     own = {key: getattr(args, key) or 1 for key in MODEL_PARALLEL_KEYS}
@@ -158,6 +162,12 @@ def load_config(args: argparse.Namespace, path: str) -> tuple[Config, dict[str, 
         if getattr(args, key) is not None:
             own[key] = getattr(args, key)
     return cfg.replace(**own), ckpt
+
+
+def describe_config(cfg: Config) -> str:
+    """'config tiny', and the flags its run was trained with (they shape the model too)."""
+    flags = ", ".join(f"--{k} {v}" for k, v in cfg.flags.items())
+    return f"config {cfg.config}" + (f" with its run's flags {flags}" if flags else "")
 
 
 def deterministic_config(args: argparse.Namespace, cfg: Config
@@ -400,7 +410,7 @@ def main(args: argparse.Namespace) -> None:
     for note in notes:
         log.info(note)
     precision = choose_precision(cfg.amp_mode, layout.device)
-    log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, config {cfg.config}); "
+    log.info(f"Checkpoint {path} (iteration {ckpt['iters']}, {describe_config(cfg)}); "
              f"{layout.describe()}; amp_mode {precision.mode}")
     mine = my_initial_conditions(ics)
     model = load_model(cfg, ckpt, path, layout)
@@ -456,13 +466,13 @@ def main(args: argparse.Namespace) -> None:
                     "initial_conditions": [ic.to_dict() for ic in ics]}
         from tools.forecast_report import report, report_ensemble  # only rank 0 draws
 
-        report(skill, out_dir, [*HEADLINE, *args.channels], maps,
-               args.map_channel, metadata)
-        if scores is not None:
-            report_ensemble(scores.skill(len(ics), refs.scale.tolist(),
-                                         data.lead_hours(args.lead_steps), refs.channels,
-                                         norm.regions),
-                            out_dir, args.channels, metadata)
+        ensemble = None if scores is None else scores.skill(
+            len(ics), refs.scale.tolist(), data.lead_hours(args.lead_steps), refs.channels,
+            norm.regions)
+        report(skill, out_dir, [*HEADLINE, *args.channels], maps, args.map_channel, metadata,
+               ensemble)
+        if ensemble is not None:
+            report_ensemble(ensemble, out_dir, args.channels, metadata)
 
 
 if __name__ == "__main__":

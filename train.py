@@ -29,7 +29,7 @@ from planning.memory import step_memory_line
 from training.compile_cost import StartupReport
 from training.run import build_model, build_training
 from training.script_exit import run_main
-from training.setup import memory_since_reset, reset_peak_memory, start_run
+from training.setup import reset_peak_memory, start_run
 from training.step import Step
 from utils.config_schema import Config
 
@@ -66,8 +66,9 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
             startup.after_step(run.log, progress.iters)  # time to first step, compile time
             if progress.iters == measured:  # its peak beside the planner's estimate
+                how, memory = step.measured_memory(run.device)
                 log.info(step_memory_line(cfg, layout, ctx.local_batch_size, ctx.precision.mode,
-                                          memory_since_reset(run.device), progress.iters))
+                                          memory, progress.iters, how))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard

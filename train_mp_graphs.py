@@ -28,6 +28,9 @@ adds on top of train_mp.py:
   - the graph released (`GraphedStep.release`) however the run ends, before the process
     groups are: NCCL (>= 2.26) destroys a communicator only once every CUDA graph that uses
     it is gone, so a graph left to the interpreter's exit could hang a failed job.
+  - the log's memory line of step 2 measured on the last eager warm-up step: a replay
+    allocates nothing, so its peak is not the eager step the planner estimates
+    (`GraphedStep.measured_memory`; the graph's pool is said beside it).
 Without a GPU it says so and runs train_mp.py's step eagerly.
 """
 
@@ -47,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 import train_mp
 from training.run import Training
 from training.script_exit import run_main
+from training.setup import memory_since_reset, reset_peak_memory
 from training.step import Step, forward_backward, member_noise, optimizer_step
 from utils.config_schema import Config
 from utils.errors import ConfigError
@@ -97,6 +101,8 @@ class GraphedStep(Step):
         self.warmup_iters = warmup_iters
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_noise: torch.Tensor | None = None  # an ensemble's members' noise
+        self.eager_memory: dict[str, float] = {}  # the last warm-up step's (measured_memory)
+        self.pool_gb = 0.0
 
     def _body(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """What the graph holds: the eager step's body, and the optimizer step when no
@@ -123,12 +129,16 @@ class GraphedStep(Step):
             self.static_noise = None if noise is None else torch.randn_like(noise)
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
-                for _ in range(self.warmup_iters):
+                for i in range(self.warmup_iters):
+                    if i == self.warmup_iters - 1:  # warm: the eager step's own peak next
+                        reset_peak_memory(device)
                     self._body(run, self.static_inp, self.static_tar)
                     if run.scaler.is_enabled():
                         optimizer_step(run, zero_grad=False)
                     run.optimizer.zero_grad(set_to_none=True)
             torch.cuda.current_stream(device).wait_stream(self.stream)
+            self.eager_memory = memory_since_reset(device)
+            reserved = torch.cuda.memory_reserved(device)
             check_ready_for_capture(run.scaler, run.optimizer,
                                     optimizer_in_graph=not run.scaler.is_enabled())
             log.info(f"Capturing the training step in a CUDA graph after {self.warmup_iters} "
@@ -139,6 +149,7 @@ class GraphedStep(Step):
                                   capture_error_mode="thread_local"):
                 self.static_loss = self._body(run, self.static_inp, self.static_tar)
         torch.cuda.synchronize(device)
+        self.pool_gb = (torch.cuda.memory_reserved(device) - reserved) / 1024**3
         _restore(run, saved)
 
     def release(self) -> None:
@@ -148,6 +159,17 @@ class GraphedStep(Step):
         graph, self.graph = self.graph, None
         if graph is not None:
             graph.reset()
+
+    def measured_memory(self, device: torch.device) -> tuple[str, dict[str, float]]:
+        """A replay allocates nothing (the step's activations live in the graph's private
+        pool, counted as reserved), so its peak is not the planner's eager step: the last
+        eager warm-up step before capture is, measured on its own in `prepare`. Beside it,
+        what capture added to the reserved memory (the graph's pool) and the reserved peak
+        while replaying."""
+        replaying = memory_since_reset(device)["reserved"]
+        return ("a replay allocates nothing: the last eager warm-up step before capture, "
+                "its own peak", {**self.eager_memory, "in the graph's pool": self.pool_gb,
+                                 "reserved while replaying": replaying})
 
     def __call__(self, run: Training, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         assert self.graph is not None, "prepare() captures the graph first"

@@ -17,7 +17,7 @@ and runs training/step.py's step on a random batch kept in memory:
   - time: `--iters` steps after one warm-up, without the profiler; the median of the
     slowest rank's steps.
 The planner's estimate for the same layout is traced with the CPU's kernels (`--device
-cpu`: tensors only, no allowance) for rank 0, which holds the largest part of every uneven
+cpu`: tensors only, no terms beyond them) for rank 0, which holds the largest part of every uneven
 split; the table compares it with rank 0's measured peak. The ratios compare rows measured
 side by side in this one run: recompute (blocks) against none, FSDP against DDP, each at
 the same layout otherwise. On CPU the ranks share the machine's cores: the ratios say

@@ -6,6 +6,7 @@
     python -m bench.dry_run --config bs256_opt --gpus 16 --scaling 4,16,64,256,1024 \\
         --plot scaling.png                                              # weak scaling
     python -m bench.dry_run --config short --gpus 1 --measured_samples_per_s 60  # calibrate
+    python -m bench.dry_run --config mp --gpus 16 --tp 4 --machine_file machine.json
 
 The config and every flag of the train scripts (`--tp`, `--cp`, `--h_parallel_size`,
 `--fsdp`, `--activation_checkpointing`, `--amp_mode`, `--local_batch_size`, ...) give the
@@ -14,11 +15,14 @@ the rank's process groups on PyTorch's fake backend, checks them against the ran
 generator, runs one training step on fake tensors with every collective recorded, and the
 memory planner traces its peak; the whole job's groups are checked without building them,
 and a tensor-parallel group across nodes is refused. The time model (planning/
-time_model.py) turns each step into seconds on `--gpu`s joined by `--network`, at the one
-`--efficiency` the compute reaches (calibrate it: `--measured_samples_per_s` of one run of
-the same config, flags and GPU count; docs/scaling.md). It prints the step's collectives,
-the start-up's groups and splits, each role's memory and time, samples/s; `--layouts all`
-every layout the planner lists and the fastest that fits; `--scaling` a weak-scaling table
+time_model.py) turns each step into seconds on `--gpu`s joined by `--network`: each operator
+at the rate its shape reaches (planning/rates.py: published defaults, or `--machine_file`,
+what `make gpu-check` measured), times one `--compute_factor` (calibrate it:
+`--measured_samples_per_s` of one run of the same config, flags and GPU count;
+docs/scaling.md). It prints the step's collectives, the start-up's groups and splits, each
+role's memory and time, samples/s; `--layouts all` every layout the planner lists and the
+fastest that fits; `--scaling` a weak-scaling table with what communication alone does not
+explain (the input pipeline, stragglers, validation: planning/scaling_terms.py) as a range
 (`--plot` draws it); `--json` one object per role, layout or GPU count.
 """
 
@@ -33,7 +37,6 @@ from typing import Any
 
 from utils.config import flag_parser, flags_given, read_config
 
-DEFAULT_EFFICIENCY = 0.5  # what the compute reaches of the peaks, until calibrated
 DEFAULT_SCALING = "4,16,64,256,1024"
 
 
@@ -45,14 +48,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--gpu", default="a100-40gb", help="a100-40gb, a100-80gb, h100 or h200")
     p.add_argument("--network", default=None,
                    help="perlmutter or ib-hgx (default: perlmutter for an A100, else ib-hgx)")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help=f"fraction of the GPU's peaks the compute reaches "
-                        f"(default {DEFAULT_EFFICIENCY}, uncalibrated)")
+    p.add_argument("--machine_file", default=None,
+                   help="the operator rates make gpu-check measured (JSON; default: the "
+                        "published rates of --gpu, planning/rates.py)")
+    p.add_argument("--compute_factor", type=float, default=None,
+                   help="seconds the compute takes per second the rates predict (default: "
+                        "calibrated on the tutorial's published runs; 1 with --machine_file)")
     p.add_argument("--link_efficiency", type=float, default=None,
                    help="fraction of the links' peak NCCL reaches (default 0.8)")
     p.add_argument("--measured_samples_per_s", type=float, default=None,
                    help="a measured run of this config, flags and --gpus: calibrates "
-                        "--efficiency")
+                        "--compute_factor")
     p.add_argument("--layouts", choices=["given", "all"], default="given",
                    help="all: every layout the memory planner lists, rank 0 each")
     p.add_argument("--scaling", nargs="?", const=DEFAULT_SCALING, default=None,
@@ -139,16 +145,34 @@ def layouts_table(rows: list[dict[str, Any]]) -> str:
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| GPUs | nodes | global batch | step ms | exposed ms | samples/s "
-             "| weak-scaling efficiency | peak GB |", "|" + "---:|" * 8]
+    lines = ["| GPUs | nodes | global batch | step ms | exposed ms | + input, stragglers, "
+             "epoch ms (low end) | samples/s | weak-scaling efficiency | peak GB |",
+             "|" + "---:|" * 9]
     for r in rows:
         exposed = ", ".join(f"{a} {s * 1e3:.2g}" for a, s in sorted(r["exposed_s"].items())
                             if s > 0) or "0"
+        low = r["terms"]["low"]
+        added = (f"{low['input_s'] * 1e3:.3g}, {low['straggler_s'] * 1e3:.3g}, "
+                 f"{low['epoch_s'] * 1e3:.3g}")
         nodes = -(-r["gpus"] // r["gpus_per_node"])
+        lo, hi = r["samples_per_s_range"]
+        elo, ehi = r["scaling_efficiency_range"]
         lines.append(f"| {r['gpus']} | {nodes} | {r['global_batch']} | "
-                     f"{r['step_s'] * 1e3:.3g} | {exposed} | {r['samples_per_s']:,.0f} | "
-                     f"{r['scaling_efficiency']:.1%} | {r['peak_gb']:.2f} |")
+                     f"{r['loader_step_s'] * 1e3:.3g} | {exposed} | {added} | "
+                     f"{lo:,.0f}-{hi:,.0f} | {elo:.0%}-{ehi:.0%} | {r['peak_gb']:.2f} |")
     return "\n".join(lines)
+
+
+def scaling_terms_line() -> str:
+    """What the scaling table adds to the step, with planning/scaling_terms.py's values."""
+    from planning.scaling_terms import EPOCH_OVERHEAD_S, FS_BANDWIDTH, FS_SHARE_LOW, SIGMA
+
+    return ("added to the step (planning/scaling_terms.py), high end / low end: input, the "
+            f"file system's {FS_BANDWIDTH / 1e12:g} TB/s over the job's nodes, all of it / "
+            f"{FS_SHARE_LOW:.0%} of it; stragglers, the slowest of N ranks at {SIGMA[0]:.1%} "
+            f"/ {SIGMA[1]:.1%} jitter; the epoch's validation and {EPOCH_OVERHEAD_S[0]:g} / "
+            f"{EPOCH_OVERHEAD_S[1]:g} s, over its steps. The step includes its exposed "
+            "communication (the last gradient bucket's all-reduce) and its loader.")
 
 
 def plot_scaling(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -161,11 +185,18 @@ def plot_scaling(rows: list[dict[str, Any]], path: str, title: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     ideal = [rows[0]["samples_per_s"] * g / gpus[0] for g in gpus]
     left.loglog(gpus, ideal, "k--", label="ideal (linear)")
-    left.loglog(gpus, [r["samples_per_s"] for r in rows], "o-", label="time model")
+    left.loglog(gpus, [r["samples_per_s"] for r in rows], "o-", label="step alone")
+    lo, hi = zip(*(r["samples_per_s_range"] for r in rows), strict=True)
+    left.fill_between(gpus, lo, hi, alpha=0.3, label="with input, stragglers, epoch")
     left.set(xlabel="GPUs", ylabel="samples/s", title="throughput")
     left.legend()
-    right.semilogx(gpus, [100 * r["scaling_efficiency"] for r in rows], "o-")
+    low, high = zip(*(r["scaling_efficiency_range"] for r in rows), strict=True)
+    right.fill_between(gpus, [100 * v for v in low], [100 * v for v in high], alpha=0.3,
+                       label="with input, stragglers, epoch (range)")
+    right.semilogx(gpus, [100 * r["scaling_efficiency"] for r in rows], "o-",
+                   label="step alone")
     right.set(xlabel="GPUs", ylabel="%", title="weak-scaling efficiency", ylim=(0, 105))
+    right.legend(fontsize=8)
     for ax in (left, right):
         ax.set_xticks(gpus, [str(g) for g in gpus])
         ax.minorticks_off()
@@ -199,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_fastest(rows)
     elif scaling:
         print(scaling_table(rows))
+        print(scaling_terms_line())
         if args.plot:
             plot_scaling(rows, args.plot, f"{args.config}: {rows[0]['local_batch']} samples per "
-                         f"GPU, {model.gpu.name}, {model.network.name}, efficiency "
-                         f"{model.efficiency:.2f}")
+                         f"GPU, {model.gpu.name}, {model.network.name}, compute factor "
+                         f"{model.compute_factor:.2f}")
             print(f"plot: {args.plot}")
     else:
         print_job(job, rows)
@@ -221,6 +253,8 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     from planning.layouts import layouts
     from planning.machines import DEFAULT_NETWORK, gpu_named, network_named
     from planning.predict import calibrated
+    from planning.published import COMPUTE_FACTOR
+    from planning.rates import read_machine_file
     from planning.time_model import LINK_EFFICIENCY, TimeModel
     from utils.errors import UserError
 
@@ -228,16 +262,19 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     gpu = gpu_named(args.gpu)
     network = network_named(args.network or DEFAULT_NETWORK[gpu.name])
     per_node = args.gpus_per_node or network.gpus_per_node
-    efficiency = args.efficiency or DEFAULT_EFFICIENCY
-    if not 0 < efficiency <= 1:
-        raise UserError(f"--efficiency {efficiency}: expected a fraction in (0, 1]")
+    # the published runs' calibration goes with the published rates; measured rates: 1
+    factor = args.compute_factor or (1.0 if args.machine_file else COMPUTE_FACTOR)
+    if not 0 < factor <= 100:
+        raise UserError(f"--compute_factor {factor}: expected a positive number (1: the rates "
+                        "as they are)")
     try:
         scaling = [int(n) for n in args.scaling.split(",")] if args.scaling else []
     except ValueError:
         scaling = [0]
     if scaling and min(scaling) < 1:
         raise UserError(f"--scaling {args.scaling}: expected GPU counts like 4,16,64")
-    model = TimeModel(gpu, network, efficiency, per_node,
+    rates = read_machine_file(args.machine_file) if args.machine_file else None
+    model = TimeModel(gpu, network, rates, factor, per_node,
                       args.link_efficiency or LINK_EFFICIENCY)
     if args.layouts == "all" and (args.gpus < 1 or not layouts(cfg, args.gpus)):
         raise UserError(f"config '{args.config}' has no layout on --gpus {args.gpus}: its "
@@ -255,7 +292,7 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     if args.measured_samples_per_s:
         try:
             model = calibrated(job, model, args.measured_samples_per_s)
-        except ValueError as e:  # faster than the GPU's peaks allow
+        except ValueError as e:  # outside what the compute factor can explain
             raise UserError(f"--measured_samples_per_s {args.measured_samples_per_s:g}: "
                             f"{e}") from None
     return cfg, job, model, scaling
@@ -289,9 +326,11 @@ def print_header(args: Any, cfg: Any, model: Any, row: dict[str, Any]) -> None:
           "and written")
     measured = model.calibrated_from
     how = (f", calibrated from {measured:g} samples/s" if measured else
-           "" if args.efficiency else " (assumed, not calibrated)")
-    print(f"time model: efficiency {model.efficiency:.3g}{how}, link efficiency "
-          f"{model.link_efficiency:g} (planning/time_model.py)")
+           "" if args.compute_factor else " (1: not calibrated)" if args.machine_file else
+           " (the tutorial's published runs: planning/published.py)")
+    print(f"time model: rates {model.rates.source}; compute factor "
+          f"{model.compute_factor:.3g}{how}; link efficiency {model.link_efficiency:g} "
+          "(planning/time_model.py)")
 
 
 def report_fastest(rows: list[dict[str, Any]]) -> None:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from data.dataset import ERA5Dataset, ShardSampler, dataset_and_sampler
+from utils import devices
 from utils.config_schema import Config
 from utils.errors import ConfigError, DataError
 from utils.tile import Tile
@@ -221,10 +222,7 @@ def get_data_loader_dali(cfg: Config, location: str, train: bool, num_replicas: 
     require_dali()
     dataset, sampler = dataset_and_sampler(cfg, location, train, num_replicas, rank, tile,
                                            batch_size=batch_size)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = devices.current_gpu() if torch.cuda.is_available() else torch.device("cpu")
     workers = cfg.num_data_workers
     threads = max(1, min(4, os.cpu_count() or 1))
     loader = DALILoader(dataset, sampler, workers, device, num_threads=threads)

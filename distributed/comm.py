@@ -31,6 +31,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -47,11 +48,16 @@ from distributed import rendezvous
 from distributed.launch_env import LaunchEnv, resolve_launch_env
 from distributed.rank_generator import RankGenerator
 from distributed.startup_checks import run_startup_checks
+from utils import devices
 from utils.errors import ConfigError, LaunchError
 from utils.openmp import threads_per_process
 from utils.parallel_axes import DEFAULT_ORDER, GROUPS, mp_ens_size
 
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
+# gloo's TCP device is freed by whichever thread drops its last pair, so its loop thread can
+# still be ending just after destroy_process_group() returns; a group that is really held
+# keeps its threads for good.
+SHUTDOWN_GRACE_SEC = 2.0
 
 _sizes: dict[str, int] = {}
 _ranks: dict[str, int] = {}
@@ -130,7 +136,8 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
         env = resolve_launch_env()
         if env.distributed:
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                    init_method=f"tcp://{env.master_addr}:{env.master_port}")
+                                    init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    timeout=collective_timeout())
     world = get_world_size()
     per_dp_rank = mp_ens_size(sizes)
     split = " x ".join(str(sizes.get(a, 1)) for a in sized)
@@ -140,11 +147,12 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
     layout = RankGenerator({**sizes, "dp": world // per_dp_rank}, order)
     rank = get_world_rank()
     reset()
+    timeout = collective_timeout() if is_distributed() else None
     for name in GROUPS:  # a group of one rank: nothing crosses it, no process group is made
         _sizes[name], _ranks[name] = 1, 0
     for names, groups in layout.partitions():
         # collective over the whole world: every process makes every partition, in order
-        group = made_at_once(groups) if is_distributed() else None
+        group = made_at_once(groups, timeout) if is_distributed() else None
         members = next(g for g in groups if rank in g)
         for name in names:
             _sizes[name], _ranks[name], _groups[name] = len(members), members.index(rank), group
@@ -154,18 +162,20 @@ def init(order: str = DEFAULT_ORDER, backend: str | None = None, verbose: bool =
         print(f"comm: world {world} = {axes} (order {'-'.join(layout.order)}, fastest first)")
 
 
-def made_at_once(groups: list[list[int]]) -> dist.ProcessGroup:
-    """This rank's group of `groups`, a partition of the world, made by every rank together.
-    On NCCL with a GPU bound to the world's group (`init_process`), where this PyTorch has
-    `split_group`: one split of the world's communicator makes all of them. Elsewhere (gloo,
-    an older PyTorch) one `new_group` after another (`new_subgroups_by_enumeration`); on
-    NCCL each of those would be a split that every rank of the world joins. One group of
-    the whole world is the world's own."""
+def made_at_once(groups: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
+    """This rank's group of `groups`, a partition of the world, made by every rank together,
+    its collectives bounded by `timeout`. On NCCL with a GPU bound to the world's group
+    (`init_process`), where this PyTorch has `split_group`: one split of the world's
+    communicator makes all of them (`split_arguments`). Elsewhere (gloo, an older PyTorch)
+    one `new_group` after another (`new_subgroups_by_enumeration`); on NCCL each of those
+    would be a split that every rank of the world joins. One group of the whole world is
+    the world's own. Without `timeout`, either way, a group would wait as long as its
+    backend's default, not the job's."""
     if len(groups) == 1:
         return dist.group.WORLD
     if splits_at_once():
-        return dist.split_group(split_ranks=groups)
-    mine, _ = dist.new_subgroups_by_enumeration(groups)
+        return dist.split_group(split_ranks=groups, **split_arguments(timeout))
+    mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     return mine
 
 
@@ -173,6 +183,29 @@ def splits_at_once() -> bool:
     """Whether `made_at_once` makes a partition's groups in one communicator split."""
     return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
             and getattr(dist.group.WORLD, "bound_device_id", None) is not None)
+
+
+def split_arguments(timeout: timedelta) -> dict[str, Any]:
+    """What `dist.split_group` needs, besides the ranks, for one split on every PyTorch
+    from 2.7 on: the timeout, and NCCL options of its own, never the world's.
+
+    Given no options, split_group takes the world backend's options object itself: in 2.7
+    and 2.8 it writes this split's timeout, parent, colour, rank list and name into it (the
+    world's collectives then wait as long as the split's); in 2.9 the C++ split writes
+    them, and computes the rank list from the parent's own, which the previous split has
+    overwritten: the second partition's split indexes past its end. 2.10 copies the
+    world's options instead. Given no timeout, every release gives the split NCCL's
+    default, not the world's. A new `ProcessGroupNCCL.Options` per split has the world's
+    settings (`init_process` makes the world with the defaults), and nothing to share."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout  # split_group sets it from `timeout` too, later
+    return {"timeout": timeout, "pg_options": options}
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective of this job waits for a peer (DIST_TIMEOUT_SEC): the world
+    group's and every group `init` makes."""
+    return timedelta(seconds=rendezvous.timeouts().collective)
 
 
 def shutdown() -> None:
@@ -198,6 +231,11 @@ def shutdown() -> None:
     dist.destroy_process_group()  # unregisters every group; `held` keeps ours alive until...
     held.clear()  # ...here, where they are freed and their threads joined, GIL released
     left = gloo_threads()
+    waited = 0.0
+    while left and waited < SHUTDOWN_GRACE_SEC:  # a transport thread still ending its loop
+        time.sleep(0.05)
+        waited += 0.05
+        left = gloo_threads()
     if left:
         logging.getLogger("comm").warning(
             f"{left} gloo threads outlived comm.shutdown(): something still holds a "
@@ -260,12 +298,12 @@ def init_process(order: str = DEFAULT_ORDER, **sizes: int) -> tuple[LaunchEnv, t
     (`init`: the `sizes` of every axis but dp, tp=2, ens=2, ...)."""
     run_startup_checks()  # a too-old torch, or GPUs assigned but not visible: one line, exit 2
     env = resolve_launch_env()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", cuda_index(env.local_rank, torch.cuda.device_count()))
+    device = process_device(env.local_rank,
+                            torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         set_cuda_defaults()
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(env))
     if env.distributed:
         # The ranks meet first (bounded by DIST_CONNECT_TIMEOUT_SEC; one line and exit 2 if
@@ -300,6 +338,14 @@ def set_cuda_defaults() -> None:
 ONE_GPU_PER_RANK = ("start at most as many ranks per node as it has GPUs (torchrun "
                     "--nproc_per_node, sbatch --ntasks-per-node), or bind one GPU to each "
                     "task (srun --gpus-per-task=1)")
+
+
+def process_device(local_rank: int, device_count: int, environ: Any = None) -> torch.device:
+    """The device of the rank `local_rank` of its node, which sees `device_count` GPUs:
+    its GPU (`cuda_index`), named with its index (utils/devices.py), or the CPU."""
+    if device_count == 0:
+        return torch.device("cpu")
+    return devices.gpu(cuda_index(local_rank, device_count, environ))
 
 
 def cuda_index(local_rank: int, device_count: int, environ: Any = None) -> int:

@@ -102,15 +102,21 @@ def sums_when_asked_to_average(group: dist.ProcessGroup) -> bool:
 
 
 def shard_dim(shape: torch.Size | tuple[int, ...], ranks: int) -> int:
-    """The dim FSDP splits a parameter of `shape` along over `ranks` ranks: the one that
-    leaves the least padding (the first of equals). FSDP pads every rank's slice to the
-    first one's size: split along a dim shorter than `ranks`, each rank holds (and gathers)
-    a slice of the first one's size. `pos_embed` (1, N, D) and the AFNO's spectral weights
-    (2, blocks, ...) split along dim 0 would cost dp times their bytes on every rank."""
+    """The dim FSDP splits a parameter of `shape` along over `ranks` ranks: of the dims
+    FSDP2 can split, the one that leaves the least padding (the first of equals).
+
+    FSDP2 splits dim 0 into any number of slices, padding every rank's slice to the first
+    one's size; any other dim only into equal slices (it refuses an uneven one, in every
+    release since 2.7). So a dim after the first qualifies where `ranks` divides it, and
+    dim 0 always does. Split along a dim shorter than `ranks`, each rank would hold (and
+    gather) a slice of the first one's size: `pos_embed` (1, N, D) and the AFNO's spectral
+    weights (2, blocks, ...) split along dim 0 cost dp times their bytes on every rank,
+    which a later dim that `ranks` divides avoids."""
     numel = math.prod(shape)
     if numel == 0 or len(shape) == 0:
         return 0
-    return min(range(len(shape)), key=lambda d: (-(-shape[d] // ranks) * (numel // shape[d]), d))
+    splittable = [0] + [d for d in range(1, len(shape)) if shape[d] % ranks == 0]
+    return min(splittable, key=lambda d: (-(-shape[d] // ranks) * (numel // shape[d]), d))
 
 
 @contextlib.contextmanager

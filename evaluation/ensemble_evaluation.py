@@ -132,6 +132,82 @@ class EnsembleReport:
         return self.ranks[forecast][self.regions.index(region), lead - 1,
                                     self.channels.index(channel)]
 
+    def flatness(self, forecast: str) -> np.ndarray:
+        """(R, L+1, C): each rank histogram's normalised entropy, -sum_k p_k ln p_k /
+        ln(E + 1): 1 for a flat histogram (a calibrated ensemble), 0 for one whose truth
+        always takes the same rank; lower for a U (too little spread) or a dome (too
+        much) alike. NaN at lead 0, which has no histogram."""
+        p = self.ranks[forecast]
+        terms = np.where(p > 0, -p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+        entropy = terms.sum(-1) / np.log(self.size + 1)
+        lead0 = np.full(entropy.shape[:1] + (1,) + entropy.shape[2:], np.nan)
+        return np.concatenate([lead0, entropy], axis=1)
+
+    def by_score(self) -> dict[str, dict[str, np.ndarray]]:
+        """Every score of every forecast, (R, L+1, C) each: {score: {forecast: array}}; a
+        single forecast has a CRPS (its MAE) only."""
+        out: dict[str, dict[str, np.ndarray]] = {s: {} for s in (*SCORES, FLATNESS)}
+        for name, skill in self.ensembles.items():
+            for score in SCORES:
+                out[score][name] = skill.scores[score]
+            out[FLATNESS][name] = self.flatness(name)
+        for name, mae in self.mae.items():
+            out["crps"][name] = mae
+        return out
+
+
+# The rank histograms' flatness (`EnsembleReport.flatness`), beside the scores of SCORES
+# in skill.json and TensorBoard.
+FLATNESS = "rank_histogram_flatness"
+# TensorBoard's name of each score, as skill.json's "rmse" is RMSE there.
+TENSORBOARD = {"crps": "CRPS", "crps_skill": "CRPSSkill", "crps_spread": "CRPSSpread",
+               "ensemble_mean_rmse": "EnsembleMeanRMSE", "spread": "Spread",
+               "spread_skill_ratio": "SpreadSkill",
+               "spread_skill_ratio_corrected": "SpreadSkillCorrected",
+               FLATNESS: "RankHistogramFlatness"}
+
+
+def _values(x: np.ndarray) -> list[float | None]:
+    """A score by lead for JSON: NaN (undefined, e.g. lead 0's ratios) as null."""
+    return [None if np.isnan(v) else float(v) for v in x]
+
+
+def add_to_skill_json(skill_json: dict, report: EnsembleReport) -> dict:
+    """skill.json's dict (evaluation.forecast_skill.skill_to_dict) with the ensemble's
+    scores beside the deterministic ones, named as in ensemble_skill.csv: under every
+    channel (global) and each of its regions, {score: {forecast: [by lead]}}, the CRPS of
+    every forecast (a single one's: its MAE), the other scores and the rank histograms'
+    flatness of the ensembles; and the ensemble's size."""
+    scores = report.by_score()
+    for c, name in enumerate(report.channels):
+        entry = skill_json["channels"][name]
+        for r, region in enumerate(report.regions):
+            values = {score: {f: _values(x[r, :, c]) for f, x in by.items()}
+                      for score, by in scores.items()}
+            if region == "global":
+                entry.update(values)
+            entry["regions"][region].update(values)
+    skill_json["ensemble_size"] = report.size
+    return skill_json
+
+
+def tensorboard_scalars(report: EnsembleReport) -> dict[str, list[tuple[str, float, int]]]:
+    """{forecast: [(tag, value, lead hours)]}: inference.py's TensorBoard scalars of the
+    ensemble's scores, tagged as the deterministic ones ("forecast/CRPS(z500)",
+    "forecast/<region>/..."), each forecast in its own event directory; undefined values
+    (lead 0's ratios and histograms) left out."""
+    out: dict[str, list[tuple[str, float, int]]] = {}
+    for score, by in report.by_score().items():
+        for forecast, x in by.items():
+            for r, region in enumerate(report.regions):
+                where = "forecast" if region == "global" else f"forecast/{region}"
+                for c, name in enumerate(report.channels):
+                    out.setdefault(forecast, []).extend(
+                        (f"{where}/{TENSORBOARD[score]}({name})", float(v), hours)
+                        for v, hours in zip(x[r, :, c], report.lead_hours, strict=True)
+                        if not np.isnan(v))
+    return out
+
 
 def csv_columns(report: EnsembleReport) -> list[str]:
     return ([f"{s}_{name}" for name in report.ensembles for s in SCORES]

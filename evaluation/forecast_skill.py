@@ -257,8 +257,13 @@ def skill_to_dict(skill: Skill, metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json(skill: Skill, path: str, metadata: dict[str, Any]) -> None:
+    dump_json(skill_to_dict(skill, metadata), path)
+
+
+def dump_json(scores: dict[str, Any], path: str) -> None:
+    """skill.json, from `skill_to_dict`'s dict (an ensemble's scores added beside)."""
     with open(path, "w") as f:
-        json.dump(skill_to_dict(skill, metadata), f, indent=1)
+        json.dump(scores, f, indent=1)
 
 
 def read_json(path: str) -> Skill:

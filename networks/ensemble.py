@@ -82,11 +82,16 @@ class Members:
     def noise(self, stream: int, index: int, samples: Sequence[int], steps: int,
               device: torch.device | str = "cpu") -> torch.Tensor:
         """(steps, B, count, noise_channels, rows, cols): N(0, 1) noise of this rank's
-        members of `samples` for `steps` rollout steps, keyed as the module docstring says."""
+        members of `samples` for `steps` rollout steps, keyed as the module docstring says.
+        For a GPU it is drawn into page-locked memory and copied without blocking: a copy
+        from pageable memory would wait for the GPU's queue, every step (on the CPU the
+        tensor drawn is the one returned)."""
         shape = (self.noise_channels, *self.grid)
-        out = np.empty((steps, len(samples), self.count, self.noise_channels,
-                        self.rows.stop - self.rows.start, self.cols.stop - self.cols.start),
-                       dtype=np.float32)
+        pinned = torch.device(device).type == "cuda"
+        host = torch.empty((steps, len(samples), self.count, self.noise_channels,
+                            self.rows.stop - self.rows.start, self.cols.stop - self.cols.start),
+                           dtype=torch.float32, pin_memory=pinned)
+        out = host.numpy()  # numpy fills the tensor's own memory
         for k in range(steps):
             for b, sample in enumerate(samples):
                 for m, member in enumerate(self.ids):
@@ -94,7 +99,7 @@ class Members:
                     rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=key))
                     out[k, b, m] = rng.standard_normal(shape, dtype=np.float32)[
                         :, self.rows, self.cols]
-        return torch.from_numpy(out).to(device)
+        return host.to(device, non_blocking=pinned)
 
 
 def member_inputs(x: torch.Tensor, members: int) -> torch.Tensor:

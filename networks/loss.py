@@ -137,11 +137,17 @@ class LatitudeWeightedMSE(nn.Module):
 def member_spread_sum(members: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """sum over i, j of |x_i - x_j| (every pair twice) for the members x along `dim`; that
     dim is reduced. With the members sorted, x_(1) <= ... <= x_(E), the sum is
-    2 sum_k (2k - E - 1) x_(k): x_(k) is larger than k - 1 members and smaller than E - k."""
+    2 sum_k c_k x_(k), c_k = (members below x_(k)) - (members above it): 2k - E - 1 where
+    x_(k) ties with none. Counting (not the sort's positions) gives tied members one
+    coefficient, the mean of their positions', so the gradient at a tie is that of the
+    pairwise sum with sign(0) = 0: the same for every member of the tie, whatever order
+    the sort left them in. An untrained ensemble's members all tie (networks/noise.py)."""
     x = torch.sort(members.movedim(dim, -1), dim=-1).values
     E = x.shape[-1]
-    k = torch.arange(1, E + 1, device=x.device, dtype=x.dtype)
-    return 2.0 * (x * (2.0 * k - E - 1.0)).sum(dim=-1)
+    s = x.detach().contiguous()  # searchsorted reads rows of contiguous memory
+    below = torch.searchsorted(s, s, side="left", out_int32=True)
+    above = E - torch.searchsorted(s, s, side="right", out_int32=True)
+    return 2.0 * (x * (below - above).to(x.dtype)).sum(dim=-1)
 
 
 def spread_weight(ensemble_size: int, alpha: float) -> float:

@@ -3,6 +3,8 @@
   planning/layouts.py      the layouts a config can run in on N GPUs, each one's memory
                            per rank (the planner: `python -m bench.memory_plan`)
   planning/memory.py       how a rank's memory is traced, on fake tensors
+  planning/memory_terms.py what a GPU process holds beyond the traced tensors, term by term
+  planning/published_memory.py  the tutorial's published memory figures, like with like
   planning/fake_world.py   one process as rank r of a world of N (the fake backend)
   planning/collectives.py  every collective of a step, counted where they all pass
   planning/step_trace.py   this rank's step on fake tensors: its compute and collectives

@@ -42,14 +42,16 @@ def require_collectives_on_fake_tensors() -> None:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+def fake_world(world_size: int, rank: int = 0, collectives: bool = True) -> Iterator[None]:
     """torch.distributed initialised as rank `rank` of `world_size` on the fake backend for
     the duration (this process must have no process group of its own); ended with every
     group the block made (`comm.shutdown`). On a PyTorch that cannot run collectives on
-    fake tensors, a UserError says so."""
+    fake tensors, a UserError says so, unless `collectives` is False: a block that only
+    builds (groups, FSDP2's set-up) runs on every PyTorch."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    require_collectives_on_fake_tensors()
+    if collectives:
+        require_collectives_on_fake_tensors()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is initialised in this process already: a "
                            "fake world needs the process to itself")

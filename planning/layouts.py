@@ -10,9 +10,10 @@ ensemble_size / ens members: memory grows with the ensemble, and ens is how a jo
 data-parallel ranks (samples) for members. Its row: one
 rank's peak memory from the planner's trace (planning/memory.py) split into
 parameters, gradients, optimizer state, activations and communication buffers, plus on a
-GPU the stated allowance for what no tensor shows (planning/memory.py: one place, and how
-it is calibrated); `fits` when the peak is within the GPU's
-memory. The fastest layout that fits, by this rule, in order (`fastest_key`):
+GPU what no tensor shows, term by term (planning/memory_terms.py: the allocator's rounding,
+workspaces and fragmentation, the CUDA context and kernels, NCCL's buffers for the
+communicators of the layout, DALI's); `fits` when that peak is within what CUDA reports of
+the GPU's memory. The fastest layout that fits, by this rule, in order (`fastest_key`):
   1. the model-parallel ranks of a replica within one node (--gpus_per_node): tp, cp and
      the mesh exchange activations inside every block, fast only over NVLink;
   2. no activation checkpointing: recomputing the blocks costs a forward pass more per
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, get_args
 
@@ -42,7 +44,8 @@ import torch
 from distributed import comm
 from distributed.layout import Layout as RankLayout
 from planning.fake_world import fake_world
-from planning.memory import GIB, Estimate, allowance_gib, trace_layout
+from planning.memory import GIB, Estimate, trace_layout
+from planning.memory_terms import MemoryTerms, Workload, beyond_tensors, communicators, usable_gib
 from training.setup import batch_sizes
 from utils.config_schema import Config
 from utils.errors import ConfigError
@@ -120,27 +123,40 @@ def layouts(cfg: Config, gpus: int) -> list[Layout]:
                                           lay.ens, lay.fsdp, lay.activation_checkpointing))
 
 
-def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str
-               ) -> dict[str, Any]:
-    """This rank's estimate (its process groups exist) as a row of GB: every part, the
-    allowance (on a GPU), the peak, after the first forward, the first step's peak."""
+def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str,
+               terms: MemoryTerms | None = None) -> dict[str, Any]:
+    """This rank's estimate (its process groups exist) as a row of GB: every part, on a GPU
+    every term beyond the tensors (`terms_gb`, planning/memory_terms.py) and what the
+    allocator holds (`allocated_gb`, `reserved_gb`), the peak, after the first forward,
+    the first step's peak."""
     estimate: Estimate = trace_layout(cfg, rank, local_batch, device_type)
     tensors = estimate.peak / GIB
-    allowance = allowance_gib(tensors) if device_type == "cuda" else 0.0
-    return {**{f"{part}_gb": nbytes / GIB for part, nbytes in estimate.parts.items()},
-            "allowance_gb": allowance, "tensor_peak_gb": tensors,
-            "peak_gb": tensors + allowance, "after_forward_gb": estimate.after_forward / GIB,
-            "first_step_gb": estimate.first_step / GIB, "peak_phase": estimate.phase}
+    row = {**{f"{part}_gb": nbytes / GIB for part, nbytes in estimate.parts.items()},
+           "tensor_peak_gb": tensors, "after_forward_gb": estimate.after_forward / GIB,
+           "first_step_gb": estimate.first_step / GIB, "peak_phase": estimate.phase}
+    if device_type != "cuda":
+        return {**row, "terms_gb": {}, "allocated_gb": tensors, "reserved_gb": tensors,
+                "peak_gb": tensors, "communicators": 0}
+    sizes = {**config_sizes(cfg), "dp": comm.get_size("dp")}
+    comms = communicators(sizes, cfg.parallel_order, comm.get_world_rank())
+    channels = cfg.n_in_channels + cfg.n_out_channels * max(cfg.rollout_steps, 1)
+    work = Workload.of(cfg.data_loader_config, local_batch, channels, rank.tile.shape, comms)
+    terms_gb = beyond_tensors(estimate.peak, estimate.rounding, work, terms)
+    allocated = tensors + terms_gb["allocator rounding"] + terms_gb["cuBLAS workspaces"]
+    return {**row, "terms_gb": terms_gb, "allocated_gb": allocated,
+            "reserved_gb": allocated + terms_gb["fragmentation"],
+            "peak_gb": tensors + sum(terms_gb.values()), "communicators": len(comms)}
 
 
-def plan(cfg: Config, layout: Layout, device_type: str) -> dict[str, Any]:
+def plan(cfg: Config, layout: Layout, device_type: str, terms: MemoryTerms | None = None
+         ) -> dict[str, Any]:
     """One layout's row, traced as rank 0 of the fake world this process is in."""
     run_cfg = cfg.replace(**layout.flags())
     comm.init(run_cfg.parallel_order, **config_sizes(run_cfg))
     rank = RankLayout.of_groups(run_cfg, None, torch.device("cpu"))
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     return {**asdict(layout), "amp_mode": cfg.amp_mode, "local_batch": local_batch,
-            **memory_row(run_cfg, rank, local_batch, device_type)}
+            **memory_row(run_cfg, rank, local_batch, device_type, terms)}
 
 
 def fastest_key(row: dict[str, Any], gpus_per_node: int) -> tuple:
@@ -151,13 +167,18 @@ def fastest_key(row: dict[str, Any], gpus_per_node: int) -> tuple:
 
 
 def plan_all(cfg: Config, gpus: int, gpu_memory_gb: float, gpus_per_node: int,
-             device_type: str) -> list[dict[str, Any]]:
-    """Every layout's row (`plan`) on a fake world of `gpus` ranks, with `fits` and, on
-    the fastest that fits, `fastest`."""
+             device_type: str, terms: MemoryTerms | None = None,
+             only: Callable[[Layout], bool] | None = None) -> list[dict[str, Any]]:
+    """Every layout's row (`plan`; `only`: the layouts it accepts) on a fake world of `gpus`
+    ranks, with `fits` (on a GPU: within what CUDA reports of `gpu_memory_gb` as sold) and,
+    on the fastest that fits, `fastest`."""
+    chosen = [lay for lay in layouts(cfg, gpus) if only is None or only(lay)]
     with fake_world(gpus):
-        rows = [plan(cfg, layout, device_type) for layout in layouts(cfg, gpus)]
+        rows = [plan(cfg, layout, device_type, terms) for layout in chosen]
+    usable = usable_gib(gpu_memory_gb, terms) if device_type == "cuda" else gpu_memory_gb
     for row in rows:
-        row["fits"] = row["peak_gb"] <= gpu_memory_gb
+        row["usable_gb"] = usable
+        row["fits"] = row["peak_gb"] <= usable
         row["fastest"] = False
     fitting = [r for r in rows if r["fits"]]
     if fitting:

@@ -28,9 +28,12 @@ How (PyTorch's own memory tracking, not hand-counted bytes):
     place. torch.compile is not traced: the estimate is for the eager step;
   - in the precision the run computes in: `amp_mode: auto` is what it picks on
     `device_type` (bf16 on a GPU that runs it natively).
-What this cannot know (the CUDA context, NCCL's buffers, the caching allocator's slack) is
-the stated ALLOWANCE below, and the CPU estimate is checked against the allocations of real
-runs in every layout (tests/test_memory_plan.py).
+  - at each phase's peak, what the GPU's caching allocator would add by rounding every live
+    tensor up (`ROUNDING`).
+What no tensor shows on a GPU (the CUDA context, the kernels, NCCL's and DALI's buffers, the
+allocator's workspaces and fragmentation) is planning/memory_terms.py's, term by term, and
+the CPU estimate is checked against the allocations of real runs in every layout
+(tests/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import networks
 from distributed import comm, fsdp
 from distributed.layout import Layout
 from networks import kernels
+from planning.memory_terms import block_bytes
 from training.run import run_loss
 from training.step import Step
 from utils.config_schema import Config
@@ -66,23 +70,9 @@ KINDS = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "pa
          "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
          "Temp": "activations", "Inputs": "activations", "Other": "activations",
          "All Gather": "communication", "Reduce Scatter": "communication"}
-# The allowance for what no tensor shows on a GPU, in one place (the planner's peak on a GPU
-# is the tensors' peak plus this): CONTEXT_GIB for the CUDA context with cuBLAS/cuDNN's
-# workspaces, NCCL's buffers (outside PyTorch's allocator) and what the card keeps for itself
-# (an A100 40GB shows 39.4 GiB), FRAGMENTATION of the tensors' peak for the caching
-# allocator's reserved but unused blocks. Calibrated by `make gpu-check`, whose memory
-# section measures both parts on its GPU after a reset once warm (device used minus
-# reserved; reserved minus allocated) and writes them into its report: set these two from
-# the first GPU reports and name them in ALLOWANCE_SOURCE. Until then they are guesses.
-CONTEXT_GIB = 1.5
-FRAGMENTATION = 0.05
-ALLOWANCE_SOURCE = "uncalibrated: a guess until the first GPU report of `make gpu-check`"
-
-
-def allowance_gib(tensor_peak_gib: float) -> float:
-    """The allowance on a GPU for a tensors' peak of `tensor_peak_gib` (GiB)."""
-    return CONTEXT_GIB + FRAGMENTATION * tensor_peak_gib
-
+# The peak's bytes the caching allocator adds by rounding each live tensor up
+# (planning/memory_terms.py `block_bytes`), kept beside the parts of each phase's peak.
+ROUNDING = "allocator rounding"
 
 # Deeper models are extrapolated from these two depths: from depth 3 on, each added block
 # adds the same bytes to every phase's peak (at depth 2 the backward of a recomputing model
@@ -94,12 +84,14 @@ TRACED_DEPTHS = (3, 4)
 class Estimate:
     """Bytes on one rank: `parts` at the peak (PARTS), in which phase of which step the peak
     is, the first step's peak, and the peak up to the end of the first forward pass (what
-    the tutorial's logs print: no gradients or optimizer state exist yet)."""
+    the tutorial's logs print: no gradients or optimizer state exist yet), and the bytes
+    the GPU's caching allocator adds at the peak by rounding (planning/memory_terms.py)."""
 
     parts: dict[str, float]
     phase: str
     first_step: float
     after_forward: float
+    rounding: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -124,7 +116,16 @@ class _PhasePeaks:
         for snapshot in self._curr_mem_snap.values():  # one device: the fake CPU
             best = self.peaks.get(self.where)
             if best is None or snapshot["Total"] > best["Total"]:
-                self.peaks[self.where] = dict(snapshot)
+                self.peaks[self.where] = {**snapshot, ROUNDING: self._rounding()}
+
+    def _rounding(self) -> int:
+        """What the caching allocator adds to the live tensors (MemTracker's `_WINFO`:
+        every storage it tracks, with its size)."""
+        extra = 0
+        for winfo, _ in getattr(self, "_WINFO", {}).values():
+            nbytes = winfo.size * winfo.element_size
+            extra += block_bytes(nbytes) - nbytes if nbytes else 0
+        return extra
 
 
 def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> _PhasePeaks:
@@ -200,7 +201,7 @@ def trace_layout(cfg: Config, layout: Layout, local_batch: int,
     if len(peaks) == 2:  # every (step, phase) peak's parts: affine in the depth
         (d0, at0), (d1, at1) = zip(depths, peaks, strict=True)
         peaks = [{where: {part: at0[where][part] + (cfg.depth - d0) / (d1 - d0)
-                          * (at1[where][part] - at0[where][part]) for part in PARTS}
+                          * (at1[where][part] - at0[where][part]) for part in at0[where]}
                   for where in at0}]
     estimate = _estimate(peaks[0])
     buckets = _ddp_buckets(cfg, layout)
@@ -254,12 +255,12 @@ def _trace(cfg: Config, layout: Layout, local_batch: int,
 
 
 def _parts(snapshot: dict) -> dict[str, float]:
-    """A tracker snapshot {kind: bytes} as the estimate's parts (PARTS)."""
+    """A tracker snapshot {kind: bytes} as the estimate's parts (PARTS) and ROUNDING."""
     parts = dict.fromkeys(PARTS, 0.0)
     for kind, nbytes in snapshot.items():
-        if kind != "Total":
+        if kind not in ("Total", ROUNDING):
             parts[KINDS[str(getattr(kind, "value", kind))]] += nbytes
-    return parts
+    return {**parts, ROUNDING: float(snapshot.get(ROUNDING, 0))}
 
 
 def _optimizer(cfg: Config, model: nn.Module, device_type: str) -> torch.optim.Optimizer:
@@ -278,13 +279,13 @@ def _optimizer(cfg: Config, model: nn.Module, device_type: str) -> torch.optim.O
 def _estimate(peaks: dict[tuple[int, str], dict[str, float]]) -> Estimate:
     """The peak's parts (the (step, phase) with the largest total), the first step's peak
     and the peak up to the end of the first forward pass."""
-    totals = {where: sum(parts.values()) for where, parts in peaks.items()}
+    totals = {where: sum(parts[p] for p in PARTS) for where, parts in peaks.items()}
     where = max(totals, key=totals.get)
     before_backward = [t for (step, phase), t in totals.items()
                        if step == 0 and phase in ("set-up", "forward")]
-    return Estimate(peaks[where], f"step {where[0] + 1}, {where[1]}",
+    return Estimate({p: peaks[where][p] for p in PARTS}, f"step {where[0] + 1}, {where[1]}",
                     max(t for (step, _), t in totals.items() if step == 0),
-                    max(before_backward))
+                    max(before_backward), peaks[where].get(ROUNDING, 0.0))
 
 
 def _ddp_buckets(cfg: Config, layout: Layout) -> float:
@@ -298,17 +299,19 @@ def _ddp_buckets(cfg: Config, layout: Layout) -> float:
 
 
 def step_memory_line(cfg: Config, layout: Layout, local_batch: int, amp_mode: str,
-                     measured: dict[str, float], step: int) -> str:
+                     measured: dict[str, float], step: int,
+                     how: str = "its own peak, reset once warm") -> str:
     """The log line of a warm step's memory (`step`, the second this process runs; the
     peak was reset just before it): `measured` (training.setup.memory_since_reset:
-    on a GPU the tensors' and the allocator's peaks, on a CPU the resident set) beside this
-    estimate of the tensors' peak, traced in the run's precision `amp_mode`. Only the logging
+    on a GPU the tensors' and the allocator's peaks, on a CPU the resident set; `how` it
+    was measured, `Step.measured_memory`) beside this estimate of the tensors' peak, traced
+    in the run's precision `amp_mode`. Only the logging
     rank traces (seconds); an estimate that cannot be traced says why in the line and never
     stops the run. Not under FSDP: its trace on the job's own dp group leaves FSDP state
     that keeps the group alive past comm.shutdown() (`python -m bench.memory_plan` traces FSDP
     on a fake world instead)."""
     parts = ", ".join(f"{gb:.2f} GB {what}" for what, gb in measured.items())
-    line = f"Memory of step {step} (its own peak, reset once warm): {parts}"
+    line = f"Memory of step {step} ({how}): {parts}"
     if comm.get_world_rank() != 0:
         return line
     if layout.fsdp:  # a trace of FSDP2 on the job's own dp group keeps that group alive

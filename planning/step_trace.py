@@ -28,6 +28,7 @@ What a fake step cannot run is written down from what it shows:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -61,11 +62,15 @@ SDPA_CPU = {"_scaled_dot_product_flash_attention_for_cpu": "forward",
 
 @dataclass(frozen=True)
 class Compute:
-    """One operator's work: matmul FLOPs (in `dtype`), and bytes read and written."""
+    """One operator's work: matmul FLOPs (in `dtype`), and bytes read and written; its kind
+    ("gemm", "attention" or "memory": everything else) and, for attention, its shape
+    (batch x heads, query length, key length, head dim)."""
 
     flops: float
     nbytes: float
     dtype: torch.dtype | None  # the matmul's input dtype; None: no matmul
+    kind: str = "memory"
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ class StepTrace(CollectiveRecorder):
                 self.events.append(Wait(call))
                 self.unread = {s: c for s, c in self.unread.items() if c is not call}
         flops, dtype = _flops(func, name, args, kwargs, out)
-        self.events.append(Compute(flops, _traffic(func, args, kwargs, out), dtype))
+        kind, shape = _kind(name, args, flops)
+        self.events.append(Compute(flops, _traffic(func, args, kwargs, out), dtype, kind, shape))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -157,6 +163,14 @@ def _flops(func: Any, name: str, args: tuple, kwargs: dict, out: Any
         return 0.0, None
     first = next(a for a in args if isinstance(a, torch.Tensor))
     return float(formula(*args, **kwargs, out_val=out)), first.dtype
+
+
+def _kind(name: str, args: tuple, flops: float) -> tuple[str, tuple[int, ...]]:
+    """The operator's kind for the time model, and an attention's shape (`Compute`)."""
+    if name in SDPA_CPU:
+        q, k = args[:2] if SDPA_CPU[name] == "forward" else args[1:3]
+        return "attention", (math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1])
+    return ("gemm", ()) if flops else ("memory", ())
 
 
 def _traffic(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
@@ -233,6 +247,31 @@ def trace_step(cfg: Config, layout: Layout, local_batch: int,
     from planning.memory import _optimizer  # the planner's Adam, as on `device_type`
 
     trace = Trace(local_batch=local_batch)
+    with fake_model(cfg, layout, device_type) as model:
+        params = list(model.parameters())
+        if uses_ddp(cfg, layout):
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(
+                    lambda _, i=i: trace.events.append(Ready(i)))
+        run = step_run(cfg, layout, model, _optimizer(cfg, model, device_type),
+                       Phases([]), device_type)
+        inp, tar = batch(cfg, layout, local_batch)
+        Step()(run, inp, tar)
+        trace.events.clear()
+        run.prof = Phases(trace.events)
+        with StepTrace(trace.events):
+            Step()(run, inp, tar)
+    if uses_ddp(cfg, layout):
+        trace.events = with_ddp_buckets(trace.events, params, cfg.bucket_cap_mb)
+    if cfg.amp_mode == "fp16" and (layout.shares_loss or layout.fsdp):
+        trace.events = with_overflow_verdict(trace.events, layout)
+    return trace
+
+
+@contextlib.contextmanager
+def fake_model(cfg: Config, layout: Layout, device_type: str = "cuda") -> Iterator[nn.Module]:
+    """The model this rank trains, FSDP2 included, made of fake tensors, for the duration
+    (the fake mode stays on: what runs inside computes nothing); comm.init ran."""
     with torch.device("meta"):
         model = networks.build_model(cfg, layers=layout.layers)
     mesh = fsdp.mesh_of(comm.get_group("dp"), torch.device("cpu")) if layout.fsdp else None
@@ -244,28 +283,11 @@ def trace_step(cfg: Config, layout: Layout, local_batch: int,
             if mesh is not None:
                 model = fsdp.shard_model(model, mesh,
                                          reshard_after_forward=not cfg.no_reshard_after_forward)
-            params = list(model.parameters())
-            if uses_ddp(cfg, layout):
-                for i, p in enumerate(params):
-                    p.register_post_accumulate_grad_hook(
-                        lambda _, i=i: trace.events.append(Ready(i)))
-            run = step_run(cfg, layout, model, _optimizer(cfg, model, device_type),
-                           Phases([]), device_type)
-            inp, tar = batch(cfg, layout, local_batch)
-            Step()(run, inp, tar)
-            trace.events.clear()
-            run.prof = Phases(trace.events)
-            with StepTrace(trace.events):
-                Step()(run, inp, tar)
+            yield model
     finally:
         # Fake tensors' dispatch cache keeps a collective's outputs, and with them its
         # process group, which comm.shutdown() then cannot free.
         FakeTensorMode.cache_clear()
-    if uses_ddp(cfg, layout):
-        trace.events = with_ddp_buckets(trace.events, params, cfg.bucket_cap_mb)
-    if cfg.amp_mode == "fp16" and (layout.shares_loss or layout.fsdp):
-        trace.events = with_overflow_verdict(trace.events, layout)
-    return trace
 
 
 def ddp_buckets(params: list[torch.Tensor], ready: list[int], bucket_cap_mb: int

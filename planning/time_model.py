@@ -1,13 +1,17 @@
 """How long one training step takes on a GPU cluster: the time model, stated.
 
-    model = TimeModel(gpu, network, efficiency=0.45)
+    model = TimeModel(gpu, network)                 # rates: planning/rates.py's defaults
+    model = TimeModel(gpu, network, read_machine_file("machine.json"))  # measured rates
     split = model.step(trace.events, axes)    # a trace of planning/step_trace.py
     split.step_s, split.compute_s, split.exposed   # exposed: {axis: seconds}
 
-Compute. Every operator of the step's trace runs for the longer of its matmul FLOPs at
-the GPU's peak for its input dtype and its bytes read and written at the HBM bandwidth
-(a roofline per operator), both divided by `efficiency`: the one fraction of the GPU's
-peaks the compute reaches, calibrated from one measured run (`calibrate`; docs/scaling.md).
+Compute. Every operator of the step's trace runs for the longest of: its work at the rate
+its kind and shape reach (planning/rates.py: a GEMM by its FLOPs and dtype, attention by
+its key length, head dim and dtype), its bytes read and written at the rate an operator of
+that size streams from HBM, and a kernel launch. Everything is then multiplied by one
+`compute_factor` (1: the rates as they are), which one measured run calibrates
+(`calibrate`; docs/scaling.md): what the tables miss (the host's dispatch between kernels,
+clocks under load, the kernels the trace does not show).
 
 Communication. A collective of S bytes (planning/collectives.py) over p ranks, per rank:
 
@@ -32,8 +36,8 @@ axis's collectives share one link, in the order they are issued):
     of the GPU; in backward FSDP2 prefetches the next module's), so it starts when the
     module before it starts computing; the compute waits for it where it first reads the
     gathered parameters; reduce-scatters run behind the backward, waited for at its end.
-Not modelled: kernel launch gaps, the data loader, stragglers and jitter of a shared
-network, communication slowing the compute it overlaps.
+Not here: the data loader, stragglers and jitter, per-epoch validation
+(planning/scaling_terms.py adds them); communication slowing the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ from typing import Any
 
 from planning.collectives import Collective
 from planning.machines import Gpu, Network
+from planning.rates import MachineRates, default_rates, dtype_key
 from planning.step_trace import Compute, Phase, Ready, Wait
 
 LINK_EFFICIENCY = 0.8  # NCCL's bus bandwidth against the links' peak (assumed)
+FACTOR_RANGE = (0.05, 20.0)  # the compute factors calibration searches
 
 
 @dataclass(frozen=True)
@@ -83,23 +89,34 @@ def ring_bytes(op: str, nbytes: float, ranks: int) -> float:
 class TimeModel:
     """Step times of traces on `gpu`s joined by `network` (module docstring)."""
 
-    def __init__(self, gpu: Gpu, network: Network, efficiency: float,
-                 gpus_per_node: int | None = None, link_efficiency: float = LINK_EFFICIENCY,
+    def __init__(self, gpu: Gpu, network: Network, rates: MachineRates | None = None,
+                 compute_factor: float = 1.0, gpus_per_node: int | None = None,
+                 link_efficiency: float = LINK_EFFICIENCY,
                  calibrated_from: float | None = None):
-        self.gpu, self.network, self.efficiency = gpu, network, efficiency
+        self.gpu, self.network = gpu, network
+        self.rates = rates or default_rates(gpu)
+        self.compute_factor = compute_factor
         self.gpus_per_node = gpus_per_node or network.gpus_per_node
         self.link_efficiency = link_efficiency
         self.calibrated_from = calibrated_from  # the measured samples/s, if calibrated
 
-    def with_efficiency(self, efficiency: float, calibrated_from: float | None = None
-                        ) -> TimeModel:
-        return TimeModel(self.gpu, self.network, efficiency, self.gpus_per_node,
+    def with_compute_factor(self, factor: float, calibrated_from: float | None = None
+                            ) -> TimeModel:
+        return TimeModel(self.gpu, self.network, self.rates, factor, self.gpus_per_node,
                          self.link_efficiency, calibrated_from)
 
     # ---------------------------------------------------------------- pieces
     def compute_s(self, op: Compute) -> float:
-        matmul = op.flops / self.gpu.peak(op.dtype) if op.flops else 0.0
-        return max(matmul, op.nbytes / self.gpu.hbm) / self.efficiency
+        if not (op.flops or op.nbytes):
+            return 0.0  # metadata: no kernel
+        rates, dtype = self.rates, dtype_key(op.dtype)
+        work = 0.0
+        if op.kind == "attention":
+            work = op.flops / rates.attention(dtype, op.shape[3], op.shape[2])
+        elif op.flops:
+            work = op.flops / rates.gemm(dtype, op.flops)
+        memory = op.nbytes / rates.memory(op.nbytes) if op.nbytes else 0.0
+        return max(work, memory, rates.launch_s) * self.compute_factor
 
     def bandwidth(self, where: Placement) -> float:
         """The bus bandwidth of a group placed `where`: bytes/s each way per rank."""
@@ -150,18 +167,21 @@ class TimeModel:
 
     def calibrate(self, samples_per_s: float, samples: int,
                   step_at: Callable[[float], float]) -> float:
-        """The efficiency at which `step_at(efficiency)` (a step's seconds) makes a step of
-        `samples` run at the measured `samples_per_s`: bisection, the step time falling as
-        the efficiency rises."""
+        """The compute factor at which `step_at(factor)` (a step's seconds) makes a step of
+        `samples` run at the measured `samples_per_s`: bisection (in log), the step time
+        rising with the factor."""
         target = samples / samples_per_s
-        lo, hi = 1e-4, 1.0
-        if step_at(hi) > target:
-            raise ValueError("faster than this model allows at the GPU's peaks: check the "
-                             "config, flags, GPU and GPU count of the measured run")
+        lo, hi = FACTOR_RANGE
+        if step_at(lo) > target:
+            raise ValueError(f"faster than this model allows at {lo:g} x its rates: check "
+                             "the config, flags, GPU and GPU count of the measured run")
+        if step_at(hi) < target:
+            raise ValueError(f"slower than {hi:g} x this model's compute: something else "
+                             "(the data loader?) bounds the measured run")
         for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if step_at(mid) > target else (lo, mid)
-        return (lo + hi) / 2
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if step_at(mid) < target else (lo, mid)
+        return math.sqrt(lo * hi)
 
 
 @dataclass(frozen=True)

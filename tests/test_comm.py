@@ -1,10 +1,17 @@
-"""Process-group layout: distributed.rank_generator (pure) and distributed.comm (real processes)."""
+"""Process-group layout: distributed.rank_generator (pure) and distributed.comm (real processes).
+
+Every group `comm.init` makes waits as long as the job says (DIST_TIMEOUT_SEC), not its
+backend's default: on gloo, read back from each real group; on NCCL, where this PyTorch
+build has it, the arguments of each communicator split (`comm.split_arguments`).
+"""
 
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -121,6 +128,50 @@ def test_groups_on_8_processes() -> None:
                (8, 1, "tp-cp-dp"), (1, 2, "dp-cp-tp")]
     run_distributed(_check_layouts, 8, layouts)
 
+
+
+def _timeouts_of_every_group() -> dict[str, float]:
+    """Seconds each group of a tp 2 x dp 2 layout waits, read back from its gloo backend,
+    the job's collective timeout set to 7 s (this rank's environment: a forked process)."""
+    os.environ["DIST_TIMEOUT_SEC"] = "7"
+    comm.init(tp=2)  # two partitions of the 4 ranks: the tp groups, then the dp groups
+    backend_of = {name: comm.get_group(name)._get_backend(torch.device("cpu"))
+                  for name in ("tp", "dp")}
+    waits = {name: b.options._timeout.total_seconds() for name, b in backend_of.items()}
+    waits["world"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout \
+        .total_seconds()
+    return waits
+
+
+@pytest.mark.distributed
+def test_every_group_waits_as_long_as_the_job_says() -> None:
+    # gloo's default would be 30 minutes; the world here is the test harness's (60 s)
+    assert run_distributed(_timeouts_of_every_group, 4) == [{"tp": 7.0, "dp": 7.0,
+                                                             "world": 60.0}] * 4
+
+
+@pytest.mark.skipif(not hasattr(dist, "ProcessGroupNCCL"),
+                    reason=f"PyTorch {torch.__version__} is built without NCCL: no NCCL "
+                    "options to construct")
+def test_each_nccl_split_gets_options_of_its_own_with_the_jobs_timeout() -> None:
+    """What `dist.split_group` receives for each partition (`comm.split_arguments`): the
+    timeout, and a new options object. 2.7 and 2.8 write each split's timeout, colour and
+    rank list into the options they are given, 2.9's C++ split too; given none, into the
+    world's own (`split_arguments` says what that broke)."""
+    timeout = timedelta(seconds=7)
+    first, second = comm.split_arguments(timeout), comm.split_arguments(timeout)
+    for arguments in (first, second):
+        options = arguments["pg_options"]
+        assert arguments["timeout"] == options._timeout == timeout
+        assert isinstance(options, dist.ProcessGroupNCCL.Options)  # as 2.7's split_group asks
+        assert (options.global_ranks_in_group, options.split_from) == ([], None)
+        # this PyTorch's split_group takes them
+        inspect.signature(dist.split_group).bind(split_ranks=[[0, 1], [2, 3]], **arguments)
+    assert first["pg_options"] is not second["pg_options"]
+    first["pg_options"].global_ranks_in_group = [0, 1]  # what the first split writes...
+    first["pg_options"]._timeout = timedelta(minutes=10)
+    assert second["pg_options"].global_ranks_in_group == []  # ...the second never reads
+    assert second["pg_options"]._timeout == timeout
 
 
 def _groups_and_a_ddp_step() -> DistributedDataParallel:

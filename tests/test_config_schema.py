@@ -115,7 +115,8 @@ CASES = {
     "ensemble_with_mse": (TINY + "  loss: weighted_mse", ["--ensemble_size", "4"],
                           ["ensemble_size 4 trains an ensemble, which loss weighted_mse cannot "
                            "score", "use loss crps"]),
-    "parallel_order_leaves_out_ens": (TINY + "  loss: crps", ["--ensemble_parallel_size", "2"],
+    "parallel_order_leaves_out_ens": (TINY + "  loss: crps\n  parallel_order: tp-cp-dp",
+                                      ["--ensemble_parallel_size", "2"],
                                       ["parallel_order 'tp-cp-dp' leaves out ens",
                                        "ensemble_parallel_size > 1", "e.g. 'tp-cp-ens-dp'"]),
 }

@@ -56,6 +56,28 @@ def test_the_estimator_equals_a_brute_force_crps(E: int) -> None:
     torch.testing.assert_close(member_spread_sum(tied), pairs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("E", [2, 4, 5])
+def test_tied_members_get_one_gradient_the_pairwise_sums_with_sign_0_equal_0(E: int) -> None:
+    """Where members tie (all of them, as an untrained ensemble's; or some), each gets the
+    gradient of sum_ij |x_i - x_j| with sign(0) = 0, the same for every member of a tie,
+    whatever order the sort left them in: a member's gradient does not depend on its
+    number. Untied, the sorted form's gradient is the pairwise one too."""
+    members, _ = _ensemble(E)
+    tied = members.clone()
+    tied[:, 1] = tied[:, 0]  # a tie of two
+    tied[0] = tied[0, :1]  # every member of the first sample the same
+    for x in (members, tied):
+        got = x.clone().requires_grad_()
+        member_spread_sum(got).sum().backward()
+        want = x.clone().requires_grad_()
+        (want[:, :, None] - want[:, None, :]).abs().sum(dim=(1, 2)).sum().backward()
+        assert torch.equal(got.grad, want.grad)
+    reversed_ = tied.flip(1).requires_grad_()  # the members numbered the other way round
+    member_spread_sum(reversed_).sum().backward()
+    assert torch.equal(reversed_.grad.flip(1), got.grad)
+    assert torch.equal(got.grad[0], torch.zeros_like(got.grad[0]))  # all tied: no push
+
+
 def test_one_member_with_alpha_0_is_the_absolute_error() -> None:
     members, truth = _ensemble(1)
     torch.testing.assert_close(almost_fair_crps(members, truth, alpha=0.0),

@@ -15,6 +15,9 @@
     world the layout does not divide, a tp group split across nodes, an unknown GPU: one
     `error:` line each, exit 2.
   - FSDP's chunks made on demand are torch's chunks (the same views).
+  - The dry run builds FSDP (`step_trace.fake_model`) where dp divides no dim of some
+    parameters, which FSDP2 refused before: `mp` at 12 GPUs, `afno` at 1,024. Every
+    tutorial parameter at dp 2, 3, 12, 64 and 1,024: tests/test_fsdp.py.
 The time model's formulas and overlap: tests/test_time_model.py.
 """
 
@@ -27,14 +30,17 @@ import pytest
 import torch
 from helpers import CONFIG_FILE, layout_of, run_distributed
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+from torch.distributed.tensor import DTensor
 
 from bench import dry_run
 from distributed import comm
+from distributed.fsdp import shard_dim
+from distributed.layout import Layout
 from networks import build_model
 from planning.collectives import CollectiveRecorder, counted
 from planning.dry_run import Job
-from planning.fake_world import _Chunks, runs_collectives_on_fake_tensors
-from planning.step_trace import Phases, batch, step_run
+from planning.fake_world import _Chunks, fake_world, runs_collectives_on_fake_tensors
+from planning.step_trace import Phases, batch, fake_model, step_run
 from training.run import build_optimizer, wrap_model
 from training.setup import batch_sizes
 from training.step import Step
@@ -170,3 +176,16 @@ def test_fsdp_chunks_made_on_demand_are_torchs(shape: tuple, chunks: int, dim: i
         assert (a.shape, a.stride()) == (b.shape, b.stride())
         if a.numel():
             assert a.storage_offset() == b.storage_offset() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("section,gpus", [("mp", 12), ("afno", 1024)])
+def test_the_dry_run_builds_fsdp_where_dp_divides_no_dim_of_a_parameter(section: str,
+                                                                        gpus: int) -> None:
+    cfg = read_config(CONFIG_FILE, section, environ={}).replace(fsdp=True)
+    with fake_world(gpus, rank=gpus - 1, collectives=False):
+        comm.init(cfg.parallel_order, **config_sizes(cfg))
+        layout = Layout.of_groups(cfg, None, torch.device("cpu"))
+        with fake_model(cfg, layout, "cpu") as model:
+            for name, p in model.named_parameters():
+                assert isinstance(p, DTensor) and p.device_mesh.size() == gpus, name
+                assert p.placements[0].dim == shard_dim(p.shape, gpus), name

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from helpers import CONFIG_FILE, one_line
@@ -101,6 +102,28 @@ def test_noise_is_a_function_of_its_key_and_the_same_on_any_layout() -> None:
         assert not torch.allclose(other[0, 0], noise[0, 0])
     assert not torch.allclose(noise[0, 0, 0], noise[0, 0, 1])  # members
     assert not torch.allclose(noise[0, 0], noise[1, 0])  # rollout steps
+
+
+def test_noise_is_numpys_draw_for_its_key_the_same_numbers_as_ever() -> None:
+    """Each member's noise is numpy's standard normal draw seeded with (seed, key), cut to
+    the rank's tokens; on the CPU a plain tensor (page-locked memory is for a GPU's copy,
+    tests/gpu/test_gpu_training.py). The values pinned below were drawn by the first
+    implementation: a change of how the noise is drawn or copied must not change them."""
+    part = _members(first=2, count=2, rows=slice(1, 3), cols=slice(4, 8))
+    noise = part.noise(TRAINING, 5, [0, 7], steps=2)
+    assert noise.device.type == "cpu" and not noise.is_pinned()
+    for k in range(2):
+        for b, sample in enumerate([0, 7]):
+            for m, member in enumerate(part.ids):
+                seq = np.random.SeedSequence(7, spawn_key=(TRAINING, 5, sample, member, k))
+                want = np.random.default_rng(seq).standard_normal((2, *GRID), dtype=np.float32)
+                assert np.array_equal(noise[k, b, m].numpy(), want[:, 1:3, 4:8])
+    assert noise.flatten()[:4].tolist() == [-0.029895536601543427, 0.5922718048095703,
+                                            -0.5302841663360596, 1.081549048423767]
+    assert noise.double().sum().item() == pytest.approx(-6.211741039296612, abs=1e-12)
+    forecast = part.noise(FORECAST, 0, [1461], steps=1)
+    assert forecast.flatten()[:3].tolist() == [-0.11275392025709152, -0.23292629420757294,
+                                               -1.1046806573867798]
 
 
 def test_samples_are_numbered_as_the_sampler_deals_them() -> None:

@@ -13,17 +13,23 @@ iterations) trained on a tiny forced planet, evaluated end to end.
   - the deterministic checkpoint's members start from perturbed initial conditions (said in
     the log) and its unperturbed forecast is the deterministic column, the same as when it
     stands beside the ensemble (--deterministic);
-  - on two ranks, splitting the initial conditions (dp) or the model (tp), every score and
-    rank histogram equals the serial evaluation's;
+  - skill.json and TensorBoard hold the ensemble's scores beside the deterministic ones:
+    the CRPS of every forecast, ensemble-mean RMSE, spread, spread/skill and the rank
+    histograms' flatness, by channel, region and lead, as ensemble_skill.csv and
+    rank_histograms.csv have them;
+  - on two ranks, splitting the initial conditions (dp) or the model (tp), and an AFNO
+    ensemble's grid over h or w (its spatial mesh), every score and rank histogram equals
+    the serial evaluation's;
   - what does not fit is one line, exit code 2.
 And in-process: scores added lead by lead and batch by batch (as inference.py adds them)
 equal those of whole rollouts, a single forecast's CRPS is its MAE, and a perfect ensemble's
-rank histogram is flat.
+rank histogram is flat (its flatness near 1, a U's and a spike's below).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -35,8 +41,8 @@ from helpers import assert_one_error_line, lat_weights, one_line, run_script
 
 import data.synthetic as sd
 from data.grid import tutorial_grid
-from evaluation.ensemble_evaluation import EnsembleSums
-from evaluation.ensemble_scores import ensemble_sums, rank_histogram_sums
+from evaluation.ensemble_evaluation import EnsembleReport, EnsembleSums
+from evaluation.ensemble_scores import SCORES, ensemble_sums, rank_histogram_sums
 from evaluation.inference_flags import parse_flags
 from evaluation.regions import region_weights
 from utils.errors import ConfigError
@@ -44,6 +50,7 @@ from utils.errors import ConfigError
 LEAD, N_ICS, TIMEOUT = 3, 4, 240
 CHECKED = {"u10": ("10m_u_component_of_wind", None), "t2m": ("2m_temperature", None),
            "z500": ("geopotential", 500)}
+AFNO_ENSEMBLE = ["--config=tiny_afno", "--ensemble_size=4", "--loss=crps"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,20 @@ def runs(forced: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
                          log_dir=log_dir, timeout=TIMEOUT)
         assert run.returncode == 0, run.output[-3000:]
         out[key] = run.exp_dir(config) / "checkpoints" / "ckpt_00000008.pt"
+    return out
+
+
+@pytest.fixture(scope="module")
+def afno(runs: dict[str, Path], forced: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An AFNO ensemble (tiny_afno made one by flags, 8 iterations) evaluated serially:
+    its output directory."""
+    run = run_script("train.py", [*AFNO_ENSEMBLE, "--num_iters=8"], data_dir=forced,
+                     log_dir=runs["log_dir"], timeout=TIMEOUT)
+    assert run.returncode == 0, run.output[-3000:]
+    runs["afno"] = run.exp_dir("tiny_afno") / "checkpoints" / "ckpt_00000008.pt"
+    out = tmp_path_factory.mktemp("afno_serial")
+    result = infer(runs, forced, f"--checkpoint={runs['afno']}", f"--out={out}")
+    assert result.returncode == 0, result.output[-3000:]
     return out
 
 
@@ -122,6 +143,68 @@ def test_an_ensemble_is_scored_beside_every_reference(ensemble) -> None:
     assert {r["forecast"] for r in hist} == {"ensemble", "perfect_model"}
     for r in hist:
         assert sum(float(r[f"rank_{i}"]) for i in range(5)) == pytest.approx(1, abs=1e-5)
+
+
+def _entropy(row: dict[str, str], E: int = 4) -> float:
+    """A rank histogram's flatness, written out: its entropy over that of a flat one."""
+    p = np.array([float(row[f"rank_{i}"]) for i in range(E + 1)])
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum() / np.log(E + 1))
+
+
+@pytest.mark.e2e
+def test_skill_json_and_tensorboard_hold_the_ensembles_scores_beside_the_others(ensemble):
+    """skill.json: under every channel (global) and each region, {score: {forecast: [by
+    lead]}} as ensemble_skill.csv holds them (undefined values null), the rank histograms'
+    flatness from rank_histograms.csv; TensorBoard: the same scores in each forecast's
+    event directory, beside the deterministic RMSE and ACC (of the ensemble mean)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out = ensemble
+    data = json.loads((out / "skill.json").read_text())
+    assert data["ensemble_size"] == 4
+    table, hist = rows(out / "ensemble_skill.csv"), rows(out / "rank_histograms.csv")
+    for channel in CHECKED:
+        entry = data["channels"][channel]
+        assert set(entry["rmse"]) == {"model", "persistence", "climatology", "time_mean"}
+        for region in ("global", "tropics"):
+            scores = entry["regions"][region]
+            for forecast in ("ensemble", "perfect_model"):
+                for score in SCORES:
+                    got = np.array(scores[score][forecast], dtype=float)  # null: NaN
+                    np.testing.assert_allclose(
+                        got, column(table, f"{score}_{forecast}", channel, region), rtol=1e-6,
+                        err_msg=f"{channel} {region} {score} {forecast}")
+                flatness = scores["rank_histogram_flatness"][forecast]
+                want = [_entropy(r) for r in hist if (r["forecast"], r["region"],
+                                                      r["channel"]) == (forecast, region, channel)]
+                assert flatness[0] is None  # lead 0 has no histogram
+                np.testing.assert_allclose(flatness[1:], want, rtol=1e-4)
+            for single in ("deterministic", "persistence", "climatology"):
+                np.testing.assert_allclose(scores["crps"][single],
+                                           column(table, f"crps_{single}", channel, region),
+                                           rtol=1e-6)
+        assert entry["crps"] == entry["regions"]["global"]["crps"]
+    board = {}
+    for forecast in ("model", "ensemble", "perfect_model", "deterministic", "persistence"):
+        acc = EventAccumulator(str(out / "tensorboard" / forecast), size_guidance={"scalars": 0})
+        board[forecast] = acc.Reload()
+    assert "forecast/RMSE(u10)" in board["model"].Tags()["scalars"]
+    persistence = set(board["persistence"].Tags()["scalars"])
+    assert {"forecast/RMSE(u10)", "forecast/CRPS(u10)"} <= persistence
+    for tag, score in (("CRPS", "crps"), ("EnsembleMeanRMSE", "ensemble_mean_rmse"),
+                       ("Spread", "spread"), ("SpreadSkill", "spread_skill_ratio"),
+                       ("SpreadSkillCorrected", "spread_skill_ratio_corrected"),
+                       ("RankHistogramFlatness", "rank_histogram_flatness")):
+        for where, region in (("forecast", "global"), ("forecast/tropics", "tropics")):
+            events = board["ensemble"].Scalars(f"{where}/{tag}(u10)")
+            want = data["channels"]["u10"]["regions"][region][score]["ensemble"]
+            assert [e.step for e in events] == [h for h, w in zip(data["lead_hours"], want,
+                                                                  strict=True) if w is not None]
+            np.testing.assert_allclose([e.value for e in events],
+                                       [w for w in want if w is not None], rtol=1e-6)
+    crps = [e.value for e in board["deterministic"].Scalars("forecast/CRPS(u10)")]
+    np.testing.assert_allclose(crps, data["channels"]["u10"]["crps"]["deterministic"], rtol=1e-6)
 
 
 def _wb2(forecast: xr.DataArray, truth: xr.DataArray, weights: xr.DataArray
@@ -203,8 +286,33 @@ def test_an_ensemble_scores_the_same_serially_and_in_parallel(runs, forced, ense
                                          *layout],
                         data_dir=forced, log_dir=runs["log_dir"], nproc=2, timeout=TIMEOUT)
     assert result.returncode == 0, result.output[-3000:]
+    _assert_same_scores(tmp_path, ensemble[1])
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["--h_parallel_size=2", "--w_parallel_size=2"],
+                         ids=["h2", "w2"])
+def test_an_afno_ensemble_scores_the_same_on_its_spatial_mesh(runs, forced, afno, mesh,
+                                                              tmp_path) -> None:
+    """An AFNO ensemble on two ranks, each rolling out its tile of the grid (rows on h,
+    columns on w) for every member: the members' noise is cut from the whole grid's, the
+    scores' and histograms' sums are completed over the mesh and the ties' draws are the
+    whole grid's, so every score and rank histogram equals the serial evaluation's."""
+    result = run_script("inference.py", [f"--lead_steps={LEAD}", f"--n_initial_conditions={N_ICS}",
+                                         "--batch_size=3", f"--checkpoint={runs['afno']}",
+                                         f"--out={tmp_path}", mesh],
+                        data_dir=forced, log_dir=runs["log_dir"], nproc=2, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-3000:]
+    assert json.loads((tmp_path / "skill.json").read_text())["layout"][mesh[2]] == 2
+    _assert_same_scores(tmp_path, afno)
+
+
+def _assert_same_scores(parallel_dir: Path, serial_dir: Path) -> None:
+    """ensemble_skill.csv, rank_histograms.csv and skill.json's scores of a parallel
+    evaluation against the serial one's: rtol 1e-5 (sums over ranks in another order)."""
     for name in ("ensemble_skill.csv", "rank_histograms.csv"):
-        parallel, serial = rows(tmp_path / name), rows(ensemble[1] / name)
+        parallel, serial = rows(parallel_dir / name), rows(serial_dir / name)
         assert len(parallel) == len(serial), name
         for p, s in zip(parallel, serial, strict=True):
             for key, value in s.items():
@@ -215,6 +323,16 @@ def test_an_ensemble_scores_the_same_serially_and_in_parallel(runs, forced, ense
                     continue
                 np.testing.assert_allclose(float(p[key]), expected, rtol=1e-5, atol=1e-6,
                                            err_msg=f"{name} {key} {s['channel']}")
+    got, want = (json.loads((d / "skill.json").read_text())["channels"]
+                 for d in (parallel_dir, serial_dir))
+    for channel, entry in want.items():
+        for region, scores in entry["regions"].items():
+            for score, by in scores.items():
+                for forecast, values in by.items():
+                    np.testing.assert_allclose(
+                        np.array(got[channel]["regions"][region][score][forecast], dtype=float),
+                        np.array(values, dtype=float), rtol=1e-5, atol=1e-6,
+                        err_msg=f"skill.json {channel} {region} {score} {forecast}")
 
 
 @pytest.mark.e2e
@@ -274,3 +392,15 @@ def test_scores_added_lead_by_lead_and_batch_by_batch_equal_whole_rollouts() -> 
     np.testing.assert_allclose(hist.sum(-1), 1.0, rtol=1e-6)
     np.testing.assert_allclose(hist, 1 / (E + 1), atol=0.02)
     assert set(report.ensembles) == {"ensemble"} and set(report.mae) == {"deterministic"}
+    flatness = report.flatness("ensemble")  # (R, L+1, C)
+    assert np.isnan(flatness[:, 0]).all() and (flatness[0, 1:] > 0.99).all()
+
+
+def test_a_rank_histograms_flatness_is_1_when_flat_and_lower_for_a_u_or_a_spike() -> None:
+    hists = np.array([[0.2] * 5, [0.4, 0.1, 0.0, 0.1, 0.4], [1.0, 0, 0, 0, 0]])
+    report = EnsembleReport([0, 6, 12, 18], ["a"], ["global"], 4, 1, {}, {},
+                            {"ensemble": hists.reshape(1, 3, 1, 5)})
+    flatness = report.flatness("ensemble")[0, :, 0]
+    assert np.isnan(flatness[0])
+    u = -(0.8 * np.log(0.4) + 0.2 * np.log(0.1)) / np.log(5)
+    np.testing.assert_allclose(flatness[1:], [1.0, u, 0.0], atol=1e-12)

@@ -4,14 +4,28 @@ one process, and its checkpoint resumes on two processes that split the members
 rank and its noise is keyed by the iteration, not drawn from a saved random state, so the
 resumed run ends where the uninterrupted one ends (losses, validation's spread, parameters
 and Adam's moments, within the tolerances of resumes in other layouts: helpers.CPU_FP32).
+
+And a stock config made an ensemble by flags, as docs/ensembles.md writes the commands:
+`torchrun --nproc_per_node 2 train_mp.py --config=tiny --ensemble_size 4 --loss crps
+--ensemble_parallel_size 2` trains (every stock config's rank order names ens), and
+`inference.py --config=tiny --ensemble_size 4` evaluates it by its config's name (its
+model's shape from the checkpoint), its ensemble's scores in skill.json.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from helpers import CPU_FP32, assert_completed, final_checkpoint, losses, max_param_difference
+from helpers import (
+    CPU_FP32,
+    assert_completed,
+    final_checkpoint,
+    losses,
+    max_param_difference,
+    run_script,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +44,7 @@ def test_an_ensemble_resumes_with_its_members_split_over_two_ranks(run_train):
     run = run_train("train.py", [*ARGS, "--ensemble_parallel_size=2", f"--resume={ckpt4}"],
                     nproc=2)
     assert_completed(run, 8, epochs=1)
-    assert "Layout: DP = 1, TP = 1, CP = 1, ENS = 2 (order tp-cp-ens-dp)" in run.stdout
+    assert "Layout: DP = 1, TP = 1, CP = 1, ENS = 2 (order tp-cp-h-w-ens-dp)" in run.stdout
     assert "members 0-1 on this rank, the others on its 1 ens peer(s)" in run.stdout
     assert f"Resumed from {ckpt4}: iteration 4" in run.stdout
     got, want = losses(run), losses(ref)
@@ -45,3 +59,24 @@ def test_an_ensemble_resumes_with_its_members_split_over_two_ranks(run_train):
             want_m, got_m = state[moment], a["optimizer"]["state"][name][moment]
             err = (got_m - want_m).abs().max().item()
             assert err <= CPU_FP32.moment_rtol * want_m.abs().max().item(), (name, moment)
+
+
+def test_a_stock_config_made_an_ensemble_by_flags_trains_on_ens_ranks_and_evaluates_by_name(
+        run_train, tmp_path):
+    flags = ["--config=tiny", "--ensemble_size", "4", "--loss", "crps"]
+    run = run_train("train_mp.py", [*flags, "--ensemble_parallel_size", "2", "--num_iters=4"],
+                    nproc=2)
+    assert_completed(run, 4)
+    assert "Layout: DP = 1, TP = 1, CP = 1, ENS = 2 (order tp-cp-h-w-ens-dp)" in run.stdout
+    out = tmp_path / "forecast"
+    result = run_script("inference.py", ["--config=tiny", "--ensemble_size", "4",
+                                         "--lead_steps=2", "--n_initial_conditions=2",
+                                         f"--out={out}"],
+                        data_dir=run.data_dir, log_dir=run.log_dir, timeout=240)
+    assert result.returncode == 0, result.output[-3000:]
+    said = next(line for line in result.stdout.splitlines() if "config tiny with" in line)
+    assert "its run's flags" in said and "--ensemble_size 4" in said and "--loss crps" in said
+    assert "Ensemble of 4: the checkpoint's noise-conditioned members" in result.stdout
+    skill = json.loads((out / "skill.json").read_text())
+    assert skill["ensemble_size"] == 4 and skill["config"] == "tiny"
+    assert len(skill["channels"]["z500"]["crps"]["ensemble"]) == 3  # leads 0, 6 and 12 h

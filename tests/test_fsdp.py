@@ -12,25 +12,39 @@ train_mp.py build (`training.run.wrap_model`, the layout's own layers and loss):
     and cuts them back into this rank's FSDP slices, bit for bit;
   - validation with a different number of batches on each dp rank (`Layout.evaluating`)
     gives the unsharded model's outputs and leaves the model sharded as it was.
+In this process, on the fake backend (planning/fake_world.py): FSDP2's own set-up accepts
+the dim `shard_dim` picks for every parameter of the tutorial's models, in the layouts the
+tutorial publishes, at dp 2, 3, 12, 64 and 1,024 (FSDP2 refuses an uneven split of any dim
+but the first), and no parameter is padded where dp divides one of its dims. The dry run
+builds them (tests/test_dry_run.py).
 End to end (train.py and train_mp.py under torchrun, resume across FSDP and DDP, fp16
 with an overflow, the graphs script's refusal): tests/test_memory_runs.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 from helpers import CONFIG_FILE, assert_trains_like_serial, layout_of, run_distributed
 from sharded import scatter_image
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distributed import comm
-from distributed.fsdp import shard_dim
+from distributed.fsdp import mesh_of, shard_dim, shard_model
+from distributed.layout import Layout
 from networks import build_model
 from networks.loss import l2_loss
+from planning.fake_world import fake_world
 from training.run import build_optimizer, wrap_model
-from utils.config import read_config
-from utils.config_schema import Config
+from utils.config import load_yaml, read_config
+from utils.config_schema import Config, validate
+from utils.parallel_axes import config_sizes, mp_ens_size
 
 RTOL, ATOL_ADAM, STEPS, BATCH, LR = 1e-5, 1e-5, 3, 4, 1e-3
 SHAPES = {"vit": ("tiny", dict(img_size=[12, 28], patch_size=4, embed_dim=32, depth=2,
@@ -45,6 +59,15 @@ LAYOUTS = {"dp2": ("vit", {}, 2), "dp2xtp2": ("vit", {"tp": 2}, 4),
            "dp2xcp2-recompute": ("vit", {"cp": 2, "activation_checkpointing": "blocks"}, 4),
            # the spectral weights (2, blocks, ...) split along a dim after their first
            "dp4-afno": ("afno", {}, 4)}
+# The tutorial's models (config/ViT.yaml: every other section is one of these with another
+# schedule or batch, or a CPU-sized mirror), alone and in the layouts the tutorial runs
+# them in (docs/scaling.md)
+TUTORIAL_LAYOUTS = {"base": ("base", {}), "mp": ("mp", {}), "mp-tp4": ("mp", {"tp": 4}),
+                    "mp_patch4": ("mp_patch4", {}),
+                    "mp_patch4-tp4xcp4": ("mp_patch4", {"tp": 4, "cp": 4}),
+                    "afno": ("afno", {}), "afno-h4": ("afno", {"h_parallel_size": 4}),
+                    "ens": ("ens", {})}
+DATA_PARALLEL = (2, 3, 12, 64, 1024)
 
 
 def _config(model: str, sizes: dict[str, int], **more) -> Config:
@@ -154,3 +177,56 @@ def _validation_with_uneven_batches() -> None:
 @pytest.mark.distributed
 def test_validation_runs_a_different_number_of_batches_on_each_rank() -> None:
     run_distributed(_validation_with_uneven_batches, 2, timeout=120)
+
+
+def _tutorial_parameters() -> dict[torch.Size, str]:
+    """Each shape of a parameter that one rank of a tutorial layout holds (its tp shard or
+    its tile's copy: what FSDP shards over dp), with the first layout and name it has."""
+    shapes: dict[torch.Size, str] = {}
+    sections = load_yaml(CONFIG_FILE)  # parsed once: the YAML parser takes most of a read
+    for name, (section, sizes) in TUTORIAL_LAYOUTS.items():
+        cfg = validate({**sections[section], **sizes}, f"config '{section}'")
+        ranks = mp_ens_size(config_sizes(cfg))  # one process alone is the serial layout
+        with fake_world(ranks, collectives=False) if ranks > 1 else contextlib.nullcontext():
+            comm.init(cfg.parallel_order, **config_sizes(cfg))
+            layout = Layout.of_groups(cfg, None, torch.device("cpu"))
+            with torch.device("meta"):
+                model = build_model(cfg, layers=layout.layers)
+            for n, p in model.named_parameters():
+                shapes.setdefault(p.shape, f"{name} {n}")
+        comm.reset()
+    return shapes
+
+
+class _Parameters(nn.Module):
+    """A parameter of each shape, as the root of a model with no blocks (`shard_model`)."""
+
+    def __init__(self, shapes: list[torch.Size]):
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        self.params = nn.ParameterList(nn.Parameter(torch.empty(s, device="meta"))
+                                       for s in shapes)
+
+
+def test_fsdp2_shards_every_tutorial_parameter_at_any_data_parallel_size() -> None:
+    tutorial = _tutorial_parameters()
+    mp_pos_embed = torch.Size([1, 4050, 1024])  # mp's (1, N, D): 45 x 90 tokens of 1,024
+    assert tutorial[mp_pos_embed] == "mp pos_embed"
+    for dp in DATA_PARALLEL:
+        with fake_world(dp, rank=dp - 1, collectives=False):  # the last rank: the padding
+            model = _Parameters(list(tutorial))
+            # FSDP2's own checks run here: an uneven split of a dim after the first raises
+            shard_model(model, mesh_of(dist.group.WORLD, torch.device("cpu")))
+            assert isinstance(model, FSDPModule)
+            sharded = model._get_fsdp_state()._fsdp_param_group.fsdp_params
+            assert sorted(map(tuple, (f._orig_size for f in sharded))) == \
+                sorted(map(tuple, tutorial))
+            for f in sharded:
+                shape, dim = f._orig_size, f.fsdp_placement.dim
+                where = (tutorial[shape], tuple(shape), dp)
+                assert dim == shard_dim(shape, dp) and (dim == 0 or shape[dim] % dp == 0), where
+                gathered = f.padded_sharded_param_size.numel() * dp  # FSDP2's padded slices
+                if any(n % dp == 0 for n in shape):  # no padding where dp divides a dim
+                    assert gathered == math.prod(shape), where
+                if shape == mp_pos_embed and dp == 1024:  # the root gathers D / 1,024 each
+                    assert f.padded_sharded_param_size == (1, 4050, 1)

@@ -1,8 +1,11 @@
 """`make gpu-check`'s pieces that need no GPU and start nothing (unit tier): the preflight's
-one-line refusals, the report (a check that fails, raises, runs out of GPU memory or cannot
-run is a line and the others still run; markdown and JSON), the wheel folder's logic (what
-`make wheels` downloads, what an interpreter lacks, a folder that does not fit), the GPU
-peaks the ladder's MFU divides by, and the plan's 8 minutes.
+one-line refusals, the devices the GPU branch hands to PyTorch (each names its GPU's index,
+as `torch.cuda.set_device`'s argument check, run on a CPU too, requires), the report (a
+check that fails, raises, runs out of GPU memory or cannot run is a line and the others
+still run; out of memory at the planner's own batch is a FAIL with its figures; markdown
+and JSON), the wheel folder's logic (what `make wheels` downloads and the pip it needs,
+what an interpreter lacks, a folder that does not fit), the GPU peaks the ladder's MFU
+divides by, and the plan's 8 minutes.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO
 
 from tools.gpu_check import preflight, wheels
 from tools.gpu_check.report import Line, Outcome, Skip, markdown, run_line, write
+from utils import devices
 
 # ----------------------------------------------------------------------------- preflight
 
@@ -45,6 +50,71 @@ def test_a_pytorch_newer_than_the_tested_one_is_a_warning_not_a_refusal():
     assert preflight.problem(preflight.Torch("2.14.0", "13.0", 1), environ={}) is None
 
 
+# ----------------------------------------------------------------------------- devices
+
+def test_every_gpu_device_names_its_index_as_pytorchs_argument_checks_require():
+    """torch.cuda.set_device (and Stream, the memory statistics) check the device with
+    `_get_device_index` before any CUDA call: on a CPU the same check runs."""
+    from torch.cuda._utils import _get_device_index
+
+    from distributed.comm import process_device
+    from tools.gpu_check.__main__ import parse_args
+
+    made = [devices.gpu(2), devices.of_kind(parse_args([]).device),  # make gpu-check's
+            *(process_device(rank, 4, environ={}) for rank in range(4)),  # training's
+            process_device(3, 1, environ={})]  # a task bound to its own GPU
+    assert all(d.type == "cuda" for d in made)
+    assert [_get_device_index(d, optional=False) for d in made] == [2, 0, 0, 1, 2, 3, 0]
+    assert [d.index for d in made] == [2, 0, 0, 1, 2, 3, 0]  # DDP's device_ids, DALI's id
+    assert process_device(0, 0, environ={}) == devices.of_kind("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        _get_device_index(torch.device("cuda"), optional=False)  # what a bare one meets
+    for bad in (-1, True, "0", 1.0):
+        with pytest.raises(ValueError, match=f"GPU index {bad!r}: expected an integer >= 0"):
+            devices.gpu(bad)
+    with pytest.raises(ValueError, match="device 'xpu': expected one of cuda, cpu"):
+        devices.of_kind("xpu")
+
+
+def test_join_with_a_bare_cuda_device_raises_what_make_gpu_check_died_of():
+    import torch.distributed as dist
+
+    from tools.gpu_check import harness
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"^Expected a torch.device with a specified index "
+                       r"or an integer, but got:cuda$"):
+        harness.join(torch.device("cuda"))
+    assert not dist.is_initialized()
+
+
+def test_no_device_is_made_outside_the_one_helper():
+    """Every torch.device of the product, the tools and the benchmarks that is not the CPU
+    or the meta device is made by utils/devices.py, and no call names "cuda" as a device."""
+    import ast
+
+    packages = [p for p in REPO.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"]
+    found = []
+    for path in sorted([*REPO.glob("*.py"), *(f for p in packages for f in p.rglob("*.py"))]):
+        rel, text = path.relative_to(REPO), path.read_text()
+        if "device" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Call):
+                continue
+            func, first = node.func, node.args[0] if node.args else None
+            made_here = (isinstance(func, ast.Attribute) and func.attr == "device"
+                         and isinstance(func.value, ast.Name) and func.value.id == "torch"
+                         and not (isinstance(first, ast.Constant) and first.value in
+                                  ("cpu", "meta")))
+            named_cuda = [k for k in node.keywords if k.arg in ("device", "device_id",
+                          "device_ids") and isinstance(k.value, ast.Constant)
+                          and str(k.value.value).startswith("cuda")]
+            if (made_here and rel != Path("utils/devices.py")) or named_cuda:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
 # ----------------------------------------------------------------------------- report
 
 def test_a_failing_raising_oom_or_skipped_check_is_a_line_and_the_next_still_runs(tmp_path):
@@ -71,6 +141,28 @@ def test_a_failing_raising_oom_or_skipped_check_is_a_line_and_the_next_still_run
     assert "second line" in log.read_text() and "--- checks: bug" in log.read_text()
     assert lines[4].detail == "TF32 needs a GPU"
     assert all(line.estimate_s == 5 for line in lines)
+
+
+def test_out_of_memory_at_the_planners_batch_is_a_fail_with_the_planned_figures():
+    """The memory section's batch is the planner's pick at 90 % of the GPU: out of memory
+    there means the planner underestimated. (The error as PyTorch words it; on a CPU the
+    allocator's peaks read 0 through the same calls.)"""
+    from planning.memory import GIB, Estimate
+    from tools.gpu_check import memory
+
+    error = ("CUDA out of memory. Tried to allocate 318.00 MiB. GPU 0 has a total capacity "
+             "of 39.39 GiB of which 171.06 MiB is free.")
+    estimate = Estimate({"activations": 30.0 * GIB}, "backward", 30.0 * GIB, 20.0 * GIB)
+    line = run_line("memory", "mp, tp 1", lambda: memory.out_of_memory(
+        "mp", devices.gpu(0), 12, estimate, 39.39, error), 40)
+    assert line.status == "FAIL", line
+    assert line.number.startswith("batch 12 ran out of memory: planned allocated 30")
+    assert "(within 90% of the GPU's 39.4); at the failure allocated " in line.number
+    assert line.number.endswith(", tried to allocate 318.00 MiB")
+    assert line.detail.startswith("the planner underestimated")
+    assert line.data["out_of_memory"] and line.data["planned_tensors_gib"] == 30.0
+    assert line.data["planned_in_use_gib"] > line.data["planned_reserved_gib"] > 30
+    assert line.data["tried_to_allocate"] == "318.00 MiB"
 
 
 def test_the_report_is_markdown_to_paste_and_the_same_lines_as_json(tmp_path):
@@ -123,6 +215,17 @@ def test_the_download_asks_pip_for_binary_wheels_of_that_python_on_manylinux():
         wheels.download_command(Path("w"), "312", "2.28", [])
     with pytest.raises(wheels.WheelsError, match="--glibc 2.12"):
         wheels.platforms("2.12")
+
+
+def test_make_wheels_needs_a_pip_that_takes_several_platforms():
+    assert wheels.pip_problem("pip 20.3 from /x (python 3.7)") is None
+    assert wheels.pip_problem("pip 26.3 from /x (python 3.11)") is None
+    old = wheels.pip_problem("pip 18.1 from /x (python 3.6)", python="py")
+    assert old == ("pip 18.1 of py keeps one --platform only; make wheels gives several "
+                   "(manylinux 2.17 to the nodes' glibc) and needs pip >= 20.3: py -m pip "
+                   "install --upgrade pip, or give another PYTHON=<python>")
+    assert wheels.pip_problem("", python="py").startswith("py has no pip (make wheels runs")
+    assert wheels.pip_problem(f"pip {'.'.join(map(str, wheels.MIN_PIP))}") is None
 
 
 def test_only_what_the_interpreter_lacks_or_has_too_old_is_installed():

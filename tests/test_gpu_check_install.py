@@ -2,6 +2,7 @@
 
   - on a machine without a GPU, `make gpu-check` says so in one line and exits 2, before it
     installs anything (and so does `python -m tools.gpu_check`);
+  - `make wheels` without a Python >= 3.7 says so in one line and exits 2;
   - `make wheels` collects the wheels of the requirements and of their dependencies (and
     pip's own) into the folder, with its manifest: pip downloads from a local folder here
     (PIP_NO_INDEX, PIP_FIND_LINKS), the same command it runs against the index;
@@ -67,6 +68,18 @@ def test_without_a_gpu_make_gpu_check_says_so_in_one_line_and_installs_nothing(t
     assert not env_dir.exists()  # stopped before installing
     direct = run([sys.executable, "-m", "tools.gpu_check"], CUDA_VISIBLE_DEVICES="")
     assert direct.returncode == 2 and direct.stderr.strip() == ours[0], direct.stderr
+
+
+def test_make_wheels_without_a_python_of_at_least_3_7_is_one_line(tmp_path):
+    """The check runs before the download's code, which an older Python cannot parse
+    (a missing interpreter here; an old one is refused by the same line)."""
+    made = run(["make", "--no-print-directory", "wheels", f"WHEELS={tmp_path / 'w'}",
+                f"PYTHON={tmp_path / 'python'}"])
+    assert made.returncode == 2, made.stdout + made.stderr
+    ours = [line for line in made.stderr.splitlines() if not line.startswith("make")]
+    assert ours == [f"error: make wheels needs Python >= 3.7 (with pip >= 20.3), and "
+                    f"PYTHON={tmp_path / 'python'} is not found: give one as PYTHON=<python>"]
+    assert not (tmp_path / "w").exists()
 
 
 def test_make_wheels_then_an_offline_install_of_only_what_the_interpreter_lacks(tmp_path):

@@ -11,14 +11,16 @@ import sys
 
 import pytest
 import torch
-from helpers import layout_of
+from helpers import CONFIG_FILE, layout_of, one_line
 
 import inference
 from evaluation.inference_flags import parse_flags
+from networks import build_model
 from networks.vit import vit_from_params
 from training.checkpoint import Checkpointer, read_checkpoint
 from training.progress import Progress
 from training.run import build_optimizer, build_scheduler
+from utils.config import read_config
 from utils.errors import CheckpointError, ConfigError, DataError
 from utils.precision import Precision
 
@@ -121,9 +123,58 @@ def test_the_saved_config_is_relocated_by_data_dir_and_evaluated_serially(run_di
 
 def test_a_config_that_does_not_fit_the_checkpoint_is_refused(run_dir):
     path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
-    with pytest.raises(CheckpointError, match="was saved with img_size=.16, 32., the config "
-                                              "has img_size=.64, 128."):
+    with pytest.raises(ConfigError) as e:
         inference.load_config(args("--config=cpu_short"), path)
+    assert one_line(e) == (
+        f"config 'cpu_short' has embed_dim=192, but {path} was trained from config 'tiny' "
+        "with embed_dim=32: give --config=tiny, or leave out --config to evaluate it with "
+        "the config saved in it")
+    with pytest.raises(ConfigError, match="config 'tiny_ens' has ensemble_size=4, but .* "
+                                          "was trained from config 'tiny' with ensemble_size=1"):
+        inference.load_config(args("--config=tiny_ens"), path)
+
+
+def _flag_trained(tiny_data, log_dir, flags: dict) -> str:
+    """A checkpoint of `tiny` trained with `flags` (saved in it, as train.py saves them)."""
+    cfg = read_config(CONFIG_FILE, "tiny", environ={"DATA_DIR": str(tiny_data)}, flags=flags)
+    cfg = cfg.replace(local_batch_size=cfg.global_batch_size)
+    model = build_model(cfg)
+    optimizer = build_optimizer(cfg, model)
+    exp_dir = log_dir / "tiny" / "1CPU" / "01-flagged"
+    Checkpointer(str(exp_dir), cfg, model, optimizer, build_scheduler(cfg, optimizer),
+                 Precision("none").grad_scaler(), layout_of(cfg)).save(Progress())
+    return str(exp_dir / "checkpoints" / "ckpt_00000000.pt")
+
+
+def test_a_flag_trained_ensemble_is_evaluated_by_its_config_name(run_dir, tiny_data, tmp_path):
+    """`train.py --config=tiny --ensemble_size 4 --loss crps`, then `inference.py
+    --config=tiny --ensemble_size 4`: what shapes the model comes from the run (its flags),
+    the rest from the section; the checkpoint's every tensor loads."""
+    path = _flag_trained(tiny_data, tmp_path / "logs", {"ensemble_size": 4, "loss": "crps"})
+    assert inference.locate_checkpoint(args("--config=tiny")) == path  # the newest run
+    cfg, ckpt = inference.load_config(args("--config=tiny", "--ensemble_size=4"), path)
+    assert (cfg.config, cfg.ensemble_size, cfg.loss) == ("tiny", 4, "crps")
+    assert cfg.flags == {"ensemble_size": 4, "loss": "crps"}
+    model = inference.load_model(cfg, ckpt, path, layout_of(cfg))
+    assert {n for n, _ in model.named_parameters()} == set(ckpt["model"])
+    # its rank layout is the evaluation's own: a run's --ensemble_parallel_size is not taken
+    path = _flag_trained(tiny_data, tmp_path / "logs", {"ensemble_size": 4, "loss": "crps",
+                                                        "ensemble_parallel_size": 2})
+    cfg, _ = inference.load_config(args("--config=tiny"), path)
+    assert (cfg.ensemble_size, cfg.ensemble_parallel_size) == (4, 1)
+
+
+def test_a_section_changed_since_the_run_is_one_line_naming_the_key(run_dir, tmp_path):
+    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(CONFIG_FILE.read_text())
+    edited.write_text(edited.read_text().replace("  depth: 2\n", "  depth: 3\n", 1))
+    with pytest.raises(ConfigError) as e:  # tiny itself edited since its run
+        inference.load_config(args(f"--yaml_config={edited}", "--config=tiny"), path)
+    assert one_line(e) == (
+        f"config 'tiny' has depth=3, but {path} was trained with depth=2 (the section changed "
+        "since): leave out --config to evaluate it with the config saved in it, or set "
+        f"depth: 2 in config 'tiny' of {edited}")
 
 
 def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):

@@ -7,7 +7,7 @@ import pytest
 from helpers import CONFIG_FILE
 
 from distributed.rank_generator import RankGenerator
-from utils.config import flag_parser, read_config
+from utils.config import flag_parser, load_yaml, read_config
 from utils.config_schema import Config
 from utils.parallel_axes import (
     AXES,
@@ -20,6 +20,7 @@ from utils.parallel_axes import (
     is_model_parallel,
     model_parallel_size,
     mp_ens_size,
+    parse_axes,
     split_family,
 )
 
@@ -73,3 +74,14 @@ def test_a_config_says_which_family_splits_its_model():
     ens = config_sizes(tiny.replace(loss="crps", ensemble_size=4, ensemble_parallel_size=2,
                                     parallel_order="tp-cp-ens-dp"))
     assert split_family(ens) is None and not is_model_parallel(ens) and mp_ens_size(ens) == 2
+
+
+@pytest.mark.parametrize("name", sorted(load_yaml(CONFIG_FILE)))
+def test_every_stock_config_places_every_axis_so_each_parallel_flag_works_on_it(name):
+    cfg = read_config(CONFIG_FILE, name, environ={})
+    assert sorted(parse_axes(cfg.parallel_order)) == sorted(a.name for a in AXES), name
+    split = {"tp": 2} if cfg.model == "vit" else {"h_parallel_size": 2, "w_parallel_size": 2}
+    ensemble = {"ensemble_size": 4, "loss": "crps", "ensemble_parallel_size": 2}
+    for flags in (split, ensemble, {**split, **ensemble}):
+        assert read_config(CONFIG_FILE, name, environ={}, flags=flags).parallel_order == \
+            cfg.parallel_order

@@ -68,7 +68,7 @@ def test_a_slurm_job_trains_the_afno_on_a_2x2_mesh(tiny_data: Path, tmp_path: Pa
     finally:
         cluster.stop()
     assert "train_mp.py " + " ".join(args) in out
-    assert "Layout: DP = 1, TP = 1, CP = 1, H = 2, W = 2 (order tp-cp-h-w-dp)" in out
+    assert "Layout: DP = 1, TP = 1, CP = 1, H = 2, W = 2 (order tp-cp-h-w-ens-dp)" in out
     assert "Finished 8 iterations" in out
     run = tmp_path / "logs" / "tiny_afno" / "4CPU" / f"job{job}-h_parallel_size=2-w_parallel_size=2"
     assert os.path.isdir(run / "checkpoints")

@@ -11,7 +11,8 @@ how each library overlaps its collectives with the compute, and the calibration.
   - the step: collectives of tensor/context/spatial parallelism are exposed; DDP's buckets
     and FSDP's reduce-scatters run behind the backward, waited for at its end; FSDP's
     all-gathers are issued one module ahead and waited for where they are read;
-  - the efficiency calibrated from a step time gives that step time back.
+  - the compute factor calibrated from a step time gives that step time back; an operator
+    runs at the rate of its kind and shape (planning/rates.py), at least a launch.
 The dry run's traces against real jobs: tests/test_dry_run.py.
 """
 
@@ -40,7 +41,7 @@ def test_ring_collectives_send_the_textbook_bytes(p: int) -> None:
 
 
 def _model(network: str, gpu: str = "h100") -> TimeModel:
-    return TimeModel(GPUS[gpu], NETWORKS[network], efficiency=1.0, link_efficiency=1.0)
+    return TimeModel(GPUS[gpu], NETWORKS[network], link_efficiency=1.0)
 
 
 def test_an_all_reduce_inside_an_hgx_node_runs_at_nvswitch_bandwidth() -> None:
@@ -75,7 +76,7 @@ class _Fixed(TimeModel):
     """Times by hand: a Compute takes `flops` ms, a collective `nbytes` ms."""
 
     def __init__(self) -> None:
-        super().__init__(GPUS["h100"], NETWORKS["ib-hgx"], 1.0)
+        super().__init__(GPUS["h100"], NETWORKS["ib-hgx"])
 
     def compute_s(self, op: Compute) -> float:
         return op.flops * MS
@@ -131,21 +132,40 @@ def test_fsdp_gathers_one_module_ahead() -> None:
     assert _Fixed().step(events, AXES, _kind).step_s == pytest.approx(26 * MS)
 
 
-def test_the_calibrated_efficiency_gives_the_measured_step_back() -> None:
-    events = [Phase("forward"), Compute(2e12, 1e9, torch.bfloat16),
-              Collective("all_reduce", TP, 10_000_000), Compute(1e12, 5e9, None)]
-    model = TimeModel(GPUS["a100-40gb"], NETWORKS["perlmutter"], efficiency=1.0)
+def test_the_calibrated_compute_factor_gives_the_measured_step_back() -> None:
+    events = [Phase("forward"), Compute(2e12, 1e9, torch.bfloat16, "gemm"),
+              Collective("all_reduce", TP, 10_000_000), Compute(0, 5e9, None)]
+    model = TimeModel(GPUS["a100-40gb"], NETWORKS["perlmutter"])
 
-    def step_at(efficiency: float) -> float:
-        return model.with_efficiency(efficiency).step(events, AXES, _kind).step_s
+    def step_at(factor: float) -> float:
+        return model.with_compute_factor(factor).step(events, AXES, _kind).step_s
 
-    measured = 16 / step_at(0.37)  # samples/s of a step of 16 samples at efficiency 0.37
-    assert model.calibrate(measured, 16, step_at) == pytest.approx(0.37, rel=1e-6)
-    with pytest.raises(ValueError, match="faster than this model allows at the GPU.s peaks"):
-        model.calibrate(16 / step_at(1.0) * 1.5, 16, step_at)
-    # the compute: a roofline per operator, at the peak of its matmul's dtype
-    op = Compute(312e12, 1.55e12 / 2, torch.bfloat16)
-    assert model.compute_s(op) == pytest.approx(1.0)
-    assert model.with_efficiency(0.5).compute_s(Compute(0, 1.55e12, None)) == \
-        pytest.approx(2.0)
-    assert math.isclose(model.compute_s(Compute(156e12, 0, torch.float32)), 1.0)
+    measured = 16 / step_at(1.37)  # samples/s of a step of 16 samples at factor 1.37
+    assert model.calibrate(measured, 16, step_at) == pytest.approx(1.37, rel=1e-6)
+    with pytest.raises(ValueError, match="faster than this model allows"):
+        model.calibrate(16 / step_at(0.01), 16, step_at)
+    with pytest.raises(ValueError, match="the data loader"):
+        model.calibrate(16 / step_at(100), 16, step_at)
+
+
+def test_each_operator_runs_at_the_rate_of_its_kind_and_shape() -> None:
+    model = TimeModel(GPUS["a100-40gb"], NETWORKS["perlmutter"])
+    rates = model.rates
+    gemm = Compute(128e9, 1e6, torch.bfloat16, "gemm")
+    assert model.compute_s(gemm) == pytest.approx(128e9 / rates.gemm("bf16", 128e9))
+    # the same FLOPs in fp32 run as TF32: half the peak
+    assert model.compute_s(Compute(128e9, 1e6, torch.float32, "gemm")) == \
+        pytest.approx(2 * model.compute_s(gemm))
+    # head dim 48 runs the head-dim-64 kernel: its FLOPs cost 64 / 48 of theirs
+    att48 = Compute(1e12, 1e6, torch.bfloat16, "attention", (128, 4050, 4050, 48))
+    att64 = Compute(1e12, 1e6, torch.bfloat16, "attention", (128, 4050, 4050, 64))
+    assert model.compute_s(att48) == pytest.approx(model.compute_s(att64) * 64 / 48)
+    # elementwise: its bytes at the memory rate of its size; a tiny one: a launch
+    add = Compute(0, 3e8, None)
+    assert model.compute_s(add) == pytest.approx(3e8 / rates.memory(3e8))
+    assert model.compute_s(Compute(0, 16, None)) == pytest.approx(rates.launch_s)
+    assert model.compute_s(Compute(0, 0, None)) == 0.0  # metadata: no kernel
+    # a factor multiplies every operator's time
+    assert model.with_compute_factor(2.0).compute_s(gemm) == \
+        pytest.approx(2 * model.compute_s(gemm))
+    assert math.isclose(model.compute_s(Compute(0, 1e9, None)), 1e9 / rates.memory(1e9))

@@ -114,7 +114,7 @@ def test_tp2_cp2_on_four_ranks_trains_like_train_py(serial_reference, tiny_data,
 @pytest.mark.distributed
 def test_tp2_log_shows_the_layout_parameters_per_rank_and_memory(tp2, tiny_params):
     assert_completed(tp2, ITERS)
-    assert "Layout: DP = 1, TP = 2, CP = 1 (order tp-cp-dp)" in tp2.stdout
+    assert "Layout: DP = 1, TP = 2, CP = 1 (order tp-cp-h-w-ens-dp)" in tp2.stdout
     assert "world size 2 (env launcher), global batch 4, local batch 4" in tp2.stdout
     full = local_parameter_count(tiny_params, 1, 1)
     local = local_parameter_count(tiny_params, 2, 1)

@@ -66,7 +66,7 @@ def mesh(tiny_data, tmp_path_factory):
 def test_h2_w2_mesh_trains_like_train_py(serial, mesh):
     assert_completed(serial)
     assert_completed(mesh)
-    assert "Layout: DP = 1, TP = 1, CP = 1, H = 2, W = 2 (order tp-cp-h-w-dp)" in mesh.stdout
+    assert "Layout: DP = 1, TP = 1, CP = 1, H = 2, W = 2 (order tp-cp-h-w-ens-dp)" in mesh.stdout
     want = losses(serial)
     assert len(want["train"]) == len(want["val"]) == TINY_ITERS // TINY_ITERS_PER_EPOCH
     for label in ("RMSE(u10m) model", "persistence", "ACC(u10m)"):  # the scores of tiles

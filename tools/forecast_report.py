@@ -11,15 +11,22 @@ import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
 from data.era5_names import HEADLINE, wb2_label
-from evaluation.ensemble_evaluation import EnsembleReport, log_report, write_rank_csv
+from evaluation.ensemble_evaluation import (
+    EnsembleReport,
+    add_to_skill_json,
+    log_report,
+    tensorboard_scalars,
+    write_rank_csv,
+)
 from evaluation.ensemble_evaluation import write_csv as write_ensemble_csv
 from evaluation.forecast_skill import (
     FORECASTS,
     Skill,
     describe_crossings,
+    dump_json,
     format_table,
+    skill_to_dict,
     write_csv,
-    write_json,
 )
 from tools.ensemble_plots import save_figures
 from tools.forecast_plots import rollout_maps, skill_vs_lead
@@ -28,9 +35,12 @@ log = logging.getLogger("inference")
 
 
 def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarray,
-           map_channel: str, metadata: dict[str, Any]) -> None:
+           map_channel: str, metadata: dict[str, Any],
+           ensemble: EnsembleReport | None = None) -> None:
     """Tables and crossings in the log; skill.csv, skill.json, TensorBoard scalars by lead
-    time (one event directory per forecast, so TensorBoard overlays them) and figures."""
+    time (one event directory per forecast, so TensorBoard overlays them) and figures. An
+    `ensemble`'s scores join skill.json and TensorBoard beside the deterministic ones
+    (`model` is then its mean)."""
     table_channels = [c for c in dict.fromkeys(table_channels) if c in skill.channels]
     for name in table_channels:  # in order, without repeats
         log.info(f"Forecast skill of {name} ({wb2_label(name)}), mean over "
@@ -39,16 +49,23 @@ def report(skill: Skill, out_dir: str, table_channels: list[str], maps: np.ndarr
     for name in table_channels:
         log.info(describe_crossings(skill, name))
     write_csv(skill, os.path.join(out_dir, "skill.csv"))
-    write_json(skill, os.path.join(out_dir, "skill.json"), metadata)
+    scores = skill_to_dict(skill, metadata)
+    dump_json(add_to_skill_json(scores, ensemble) if ensemble else scores,
+              os.path.join(out_dir, "skill.json"))
+    scalars = tensorboard_scalars(ensemble) if ensemble else {}
     for f, forecast in enumerate(FORECASTS):
+        for r, region in enumerate(skill.regions):
+            where = "forecast" if region == "global" else f"forecast/{region}"
+            for c, name in enumerate(skill.channels):
+                for k, hours in enumerate(skill.lead_hours):
+                    scalars.setdefault(forecast, []).extend(
+                        [(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours),
+                         (f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)])
+    for forecast, values in scalars.items():
         # purge_step 0: TensorBoard drops the events of an earlier evaluation in this directory
         with SummaryWriter(os.path.join(out_dir, "tensorboard", forecast), purge_step=0) as writer:
-            for r, region in enumerate(skill.regions):
-                where = "forecast" if region == "global" else f"forecast/{region}"
-                for c, name in enumerate(skill.channels):
-                    for k, hours in enumerate(skill.lead_hours):
-                        writer.add_scalar(f"{where}/RMSE({name})", skill.rmse[f, r, k, c], hours)
-                        writer.add_scalar(f"{where}/ACC({name})", skill.acc[f, r, k, c], hours)
+            for tag, value, hours in values:
+                writer.add_scalar(tag, value, hours)
     fig = skill_vs_lead(skill, HEADLINE,
                         f"{metadata['config']}, iteration {metadata['iteration']}: "
                         f"{skill.n_initial_conditions} initial conditions")

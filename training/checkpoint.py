@@ -215,12 +215,19 @@ def read_checkpoint(path: str, cfg: Config | None) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is incomplete: no {', '.join(missing)}")
-    for key in MODEL_KEYS if cfg is not None else ():
+    if cfg is not None:
+        check_model_keys(ckpt, cfg, path)
+    return ckpt
+
+
+def check_model_keys(ckpt: dict[str, Any], cfg: Config, path: str) -> None:
+    """The model's shape in `cfg` is the checkpoint's (its `config`), else a one-line
+    CheckpointError."""
+    for key in MODEL_KEYS:
         saved, now = ckpt["config"].get(key), getattr(cfg, key)
         if saved is not None and list(np.atleast_1d(saved)) != list(np.atleast_1d(now)):
             raise CheckpointError(f"{path} was saved with {key}={saved}, "
                                   f"the config has {key}={now}")
-    return ckpt
 
 
 def saved_ensemble_size(ckpt: dict[str, Any]) -> int:

@@ -17,6 +17,7 @@ import torch
 from networks.ensemble import TRAINING
 from networks.rollout import rollout
 from training.run import Training
+from training.setup import memory_since_reset
 
 
 def member_noise(run: Any, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor | None:
@@ -90,3 +91,8 @@ class Step:
         loss = forward_backward(run, inp, tar, member_noise(run, inp, tar))
         optimizer_step(run)
         return loss.detach()
+
+    def measured_memory(self, device: torch.device) -> tuple[str, dict[str, float]]:
+        """The memory of the warm step the log reports beside the planner's eager step, and
+        how it was measured: here the step's own peak (reset just before it)."""
+        return "its own peak, reset once warm", memory_since_reset(device)

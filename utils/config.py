@@ -25,8 +25,9 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError
 from ruamel.yaml.nodes import Node, ScalarNode, SequenceNode
 
-from utils.config_schema import KEYS, Config, Flag, validate
+from utils.config_schema import KEYS, Config, Flag, ModelKeys, validate
 from utils.errors import ConfigError
+from utils.parallel_axes import LAYOUT_KEYS
 
 DEFAULT_YAML = "./config/ViT.yaml"
 DEFAULT_SECTION = "cpu_short"
@@ -145,6 +146,42 @@ def saved_config(saved: Mapping[str, Any], environ: Mapping[str, str] | None = N
     known = {k: v for k, v in saved.items() if k in Config.model_fields}
     known = relocate(known, os.environ if environ is None else environ)
     return validate(known, f"the config saved in {where}")
+
+
+# What shapes a model: the model keys, and whether it is an ensemble (whose noise keys
+# shape its noise layers; a deterministic model has none).
+NOISE_KEYS = ("noise_channels", "noise_embed_dim")
+MODEL_SHAPE_KEYS = (*(k for k in ModelKeys.model_fields if k not in NOISE_KEYS), "ensemble_size")
+# Keys a run's flags may set that an evaluation chooses for itself: its rank layout.
+LAYOUT_FLAGS = (*LAYOUT_KEYS, "parallel_order")
+
+
+def run_config(yaml_file: str | os.PathLike, name: str, saved: Mapping[str, Any] | None,
+               where: str, environ: Mapping[str, str] | None = None) -> Config:
+    """Section `name` as a run trained with it (its config `saved` in its checkpoint
+    `where`; None: an old checkpoint without one): the section with the flags the run was
+    given on top (its rank layout's aside), so that what shapes the model is the run's.
+    A key that shapes the model and still differs (the section changed since, or it is not
+    the run's section) is a one-line ConfigError naming the key and what to do."""
+    flags = {k: v for k, v in (saved or {}).get("flags", {}).items()
+             if k in Config.model_fields and k not in LAYOUT_FLAGS}
+    cfg = read_config(yaml_file, name, environ, flags)
+    if not saved:
+        return cfg
+    ensemble = max(cfg.ensemble_size, int(saved.get("ensemble_size", 1))) > 1
+    for key in (*MODEL_SHAPE_KEYS, *(NOISE_KEYS if ensemble else ())):
+        if key not in saved or saved[key] == getattr(cfg, key):
+            continue
+        was, section = saved[key], saved.get("config")
+        differs = f"config '{name}' has {key}={getattr(cfg, key)}, but {where} was trained"
+        if section and section != name:
+            raise ConfigError(f"{differs} from config '{section}' with {key}={was}: give "
+                              f"--config={section}, or leave out --config to evaluate it "
+                              "with the config saved in it")
+        raise ConfigError(f"{differs} with {key}={was} (the section changed since): leave "
+                          "out --config to evaluate it with the config saved in it, or set "
+                          f"{key}: {was} in config '{name}' of {yaml_file}")
+    return cfg
 
 
 # ----------------------------------------------------------------------------- flags

@@ -11,6 +11,8 @@ allocator's fragmentation. `mp_patch4` needs tp 4 x cp 4 = 16 GPUs and is not ru
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from gpu_utils import (
@@ -25,6 +27,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
 
 BUDGET_GIB = 37.0     # what the README promises per GPU (README, "Before the first GPU run")
 A100_40GB_GIB = 39.0  # smaller GPUs cannot run the README's commands at all
+# The CUDA-graph script's step-2 line against the planner's eager step: a replay's own peak
+# (persistent tensors only: its activations live in the graph's pool) was far below it.
+GRAPHS_LIKE_EAGER = 0.25
+STEP_2 = re.compile(r"Memory of step 2 \(([^)]*)\): ([\d.]+) GB tensors.*planner's estimate "
+                    r"of the tensors ([\d.]+) GB")
 
 # (README command, script, arguments, GPUs on one node, iterations)
 CASES = [
@@ -67,3 +74,8 @@ def test_readme_gpu_command_fits_a_40gb_gpu(full_size_data, tmp_path, command, s
     peak = peak_memory_gib(run, iters)
     assert peak <= BUDGET_GIB, (f"`{command}`: peak {peak:.1f} GiB per GPU, over the "
                                 f"{BUDGET_GIB} GiB the README promises")
+    if script == "train_mp_graphs.py":  # like with like: an eager step on both sides
+        how, measured, planned = STEP_2.search(run.stdout).groups()
+        assert how.startswith("a replay allocates nothing: the last eager warm-up step"), how
+        assert abs(float(measured) / float(planned) - 1) <= GRAPHS_LIKE_EAGER, (
+            f"the eager warm-up step's {measured} GB against the planner's {planned} GB")

@@ -5,7 +5,8 @@ their logged losses and saved checkpoints are compared (bounds in gpu_utils.py).
     train_mp.py's eager step: same seed, same tiny config, fp32;
   - train.py with DDP over NCCL on every visible GPU trains like one GPU, also with fused
     Adam and torch.compile;
-  - fp16 (with the GradScaler) and bf16 autocast train without NaN/inf, and learn.
+  - fp16 (with the GradScaler) and bf16 autocast train without NaN/inf, and learn;
+  - an ensemble's noise, drawn on the CPU each step, reaches the GPU without a stream sync.
 The model-parallel layouts on NCCL are in test_gpu_parallel.py.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from gpu_utils import (
     FP32_ENV,
     assert_finite_and_learning,
@@ -23,6 +25,8 @@ from gpu_utils import (
     need_gpus,
     require_cuda,  # noqa: F401  (fixture used through pytestmark)
 )
+
+from networks.ensemble import TRAINING, Members
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_cuda")]
 
@@ -47,6 +51,10 @@ def test_cuda_graph_replays_train_like_eager_steps(tiny_data, tmp_path_factory):
     assert "Capturing the training step in a CUDA graph after 3 warm-up steps" in \
         graphs.output, graphs.output[-3000:]
     assert "CUDA graphs need a GPU" not in graphs.output
+    # step 2 is a replay, which allocates nothing: its memory line is the eager warm-up's
+    assert "Memory of step 2 (a replay allocates nothing: the last eager warm-up step " \
+        "before capture, its own peak): " in graphs.stdout, graphs.stdout[-3000:]
+    assert "GB in the graph's pool" in graphs.stdout
     assert_same_training(graphs, eager, "tiny", (1, 1), ITERS)
 
 
@@ -82,3 +90,19 @@ def test_mixed_precision_trains_without_nan(tiny_data, tmp_path, amp):
     assert "NaN/inf" not in run.output
     assert_finite_and_learning(run)
     assert len(losses(run)["train"]) == 4
+
+
+def test_ensemble_noise_reaches_the_gpu_without_a_stream_sync():
+    """The members' noise is drawn with numpy before every step (networks/ensemble.py): into
+    page-locked memory, copied without blocking, so the step's queue never waits for it
+    (torch.cuda's sync debug mode raises on a synchronising call); the values are the CPU's."""
+    members = Members(size=4, first=0, count=4, noise_channels=4, grid=(45, 90),
+                      rows=slice(0, 45), cols=slice(0, 90), seed=0)
+    want = members.noise(TRAINING, 3, [0, 1], steps=2)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = members.noise(TRAINING, 3, [0, 1], steps=2, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), want)

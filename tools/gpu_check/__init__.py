@@ -18,6 +18,8 @@ Its parts, in the order they run:
   - `memory`: the planner's estimate against what the GPU allocates, reserves and uses;
   - `ladder`: the `short` config's samples/s and MFU for each tutorial optimisation,
     beside the tutorial's published A100 numbers;
-  - `report`: one markdown report and its JSON, to paste into an issue.
+  - `report`: one markdown report and its JSON, to paste into an issue. The start-up,
+    every check, memory config and ladder row run through its guard (`run_line`): what
+    one raises is its line; the report is written however the run ends.
 This package's `__init__` imports nothing: `preflight` and `wheels` run on a bare Python.
 """

@@ -31,26 +31,30 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from tools.gpu_check import checks, environment, harness, ladder, memory
+from tools.gpu_check import checks, environment, harness, ladder, memory, rates
 from tools.gpu_check.report import Line, run_line, write
+from utils import devices
 
 # part: (estimated seconds on one H100/H200, what it is) -- docs/gpu_first_run.md
 PLAN = {"start": (20, "interpreter, torch, CUDA context, the one-rank NCCL group"),
         "environment": (2, "versions, the GPU, optional parts"),
         "checks": (sum(e for _, _, e in checks.CHECKS), "the correctness checks"),
         "memory": (80, "planner traces and two measured runs (short, mp)"),
+        "rates": (3, "the time model's operator rates, written as machine.json"),
         "ladder": (sum(row[3] for row in ladder.LADDER) + ladder.GRAPHS[1],
                    "7 rows of the short config, the compile and graphs rows included")}
 # 7 minutes: `make gpu-check` spends up to a minute before (preflight, installing wheels)
 BUDGET_S = 420.0
-PARTS = ("environment", "checks", "memory", "ladder")
+PARTS = ("environment", "checks", "memory", "rates", "ladder")
 SECTIONS = {"environment": "Environment", "checks": "Checks",
             "memory": "Memory: the planner against the GPU",
+            "rates": "Rates: what each operator reaches (the dry run's --machine_file)",
             "ladder": "The ladder (config short, one GPU)"}
 MEMORY_CONFIGS = ("short", "mp")
 
@@ -99,25 +103,91 @@ def say(line: Line) -> Line:
     return line
 
 
-def run_checks(device: torch.device, work: Path, log: Path) -> list[Line]:
-    return [say(run_line("checks", name, lambda fn=fn: fn(device, work), estimate, log))
-            for name, fn, estimate in checks.CHECKS]
+def start_up(device: torch.device, started: float) -> Line:
+    """What a training process does first, on this device: CUDA's defaults as training
+    sets them and the one-rank process group (`harness.join`)."""
+    harness.compile_threads(device)
+    if device.type == "cuda":
+        from distributed.comm import set_cuda_defaults
+
+        set_cuda_defaults()
+    harness.join(device)
+    return Line("environment", "start", "info", f"{time.perf_counter() - started:.0f} s "
+                "to here")
 
 
-def run_memory(device: torch.device, work: Path, log: Path) -> list[Line]:
-    names = MEMORY_CONFIGS if device.type == "cuda" else ("tiny",)
-    return [say(run_line("memory", f"{name}, tp 1", lambda name=name:
-                         memory.planner_against_device(name, device, str(work)),
-                         PLAN["memory"][0] / len(names), log)) for name in names]
+def not_run(parts: list[str], device: torch.device, why: str) -> list[Line]:
+    """A skip line for each check, memory config and ladder row of `parts`."""
+    names = {"checks": [name for name, _, _ in checks.CHECKS],
+             "memory": [f"{name}, tp 1" for name in memory_configs(device)]
+             + (["terms beyond the tensors"] if device.type == "cuda" else []),
+             "rates": ["operator rates"],
+             "ladder": [row[0] for row in ladder.LADDER] + [ladder.GRAPHS[0]]}
+    return [Line(part, name, "skip", detail=why) for part in parts if part in names
+            for name in names[part]]
 
 
-def run_ladder(device: torch.device, work: Path, left: float, rows: int,
-               data: subprocess.Popen | None) -> list[Line]:
+def memory_configs(device: torch.device) -> tuple[str, ...]:
+    return MEMORY_CONFIGS if device.type == "cuda" else ("tiny",)
+
+
+def run_checks(device: torch.device, work: Path, log: Path) -> Iterator[Line]:
+    for name, fn, estimate in checks.CHECKS:
+        yield run_line("checks", name, lambda fn=fn: fn(device, work), estimate, log)
+
+
+def run_memory(device: torch.device, work: Path, log: Path) -> Iterator[Line]:
+    names = memory_configs(device)
+    for name in names:
+        yield run_line("memory", f"{name}, tp 1", lambda name=name:
+                       memory.planner_against_device(name, device, str(work)),
+                       PLAN["memory"][0] / len(names), log)
+    if device.type == "cuda":  # the terms beyond the tensors, in fresh processes
+        yield run_line("memory", "terms beyond the tensors", lambda:
+                       memory.measure_terms(device, str(work)), 40, log)
+
+
+def run_ladder(device: torch.device, work: Path, args: argparse.Namespace, log: Path,
+               started: float, data: subprocess.Popen | None) -> Iterator[Line]:
     if data is not None:
         data.wait()
+    left = args.budget_s - (time.perf_counter() - started) - 10
     config = "short" if device.type == "cuda" else "tiny"
-    return [say(line) for line in ladder.run_ladder(device, work, left, config=config,
-                                                    rows=rows)]
+    yield from ladder.run_ladder(device, work, left, config=config, rows=args.ladder_rows,
+                                 log=log)
+
+
+def run_rates(device: torch.device, out: Path, work: Path, log: Path) -> Iterator[Line]:
+    """tools/gpu_check/rates.py: the time model's rates, small shapes on a CPU."""
+    yield run_line("rates", "operator rates", lambda: rates.measure_and_write(
+        device, out, work, small=device.type != "cuda"), PLAN["rates"][0], log)
+
+
+def run_parts(lines: list[Line], parts: list[str], device: torch.device, args:
+              argparse.Namespace, out: Path, work: Path, log: Path, started: float) -> None:
+    """Every part, each line appended to `lines` as it comes (the report holds what ran
+    whatever stops the run). A failed start-up skips what needs it."""
+    start = say(run_line("environment", "start", lambda: start_up(device, started),
+                         PLAN["start"][0], log))
+    lines.append(start)
+    if start.status != "info":
+        lines += environment.lines(environment.facts(device)) if "environment" in parts \
+            else []
+        lines += not_run(parts, device, "not run: the start-up failed (the line 'start')")
+        return
+    data = start_data(work) if "ladder" in parts and device.type == "cuda" else None
+    run = {"environment": lambda: environment.lines(environment.facts(device)),
+           "checks": lambda: run_checks(device, work, log),
+           "memory": lambda: run_memory(device, work, log),
+           "rates": lambda: run_rates(device, out, work, log),
+           "ladder": lambda: run_ladder(device, work, args, log, started, data)}
+    try:
+        for part in (p for p in PARTS if p in parts):
+            for line in run[part]():
+                lines.append(say(line))
+    finally:
+        if data is not None and data.poll() is None:
+            data.terminate()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,44 +199,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --parts {','.join(unknown)}: expected some of {', '.join(PARTS)}",
               file=sys.stderr)
         return 2
-    device = torch.device(args.device)
+    device = devices.of_kind(args.device)  # a GPU names its index: set_device needs it
     out = out_dir(args)
     work = args.work or out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
     log = out / "gpu-check.log"
     logging.basicConfig(filename=log, level=logging.INFO)  # the runs' own log lines
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "torch_compile_cache"))
-    harness.compile_threads(device)
-    data = start_data(work) if "ladder" in parts and device.type == "cuda" else None
-    if device.type == "cuda":
-        from distributed.comm import set_cuda_defaults
+    lines: list[Line] = []
+    try:
+        run_parts(lines, parts, device, args, out, work, log, started)
+    finally:  # whatever stopped the run, the report of what ran
+        md, js = report(out, args, device, lines, started)
+        print(f"gpu-check: {sum(line.status == 'FAIL' for line in lines)} failed; report "
+              f"{md} (numbers: {js.name}); paste the report into an issue", flush=True)
+        from distributed import comm
 
-        set_cuda_defaults()
-    harness.join(device)
+        comm.shutdown()
+    return 1 if any(line.status == "FAIL" for line in lines) else 0
+
+
+def report(out: Path, args: argparse.Namespace, device: torch.device, lines: list[Line],
+           started: float) -> tuple[Path, Path]:
+    """report.md and report.json in `out`, with what ran and the plan beside it."""
     facts = environment.facts(device)
-    lines = [Line("environment", "start", "info", f"{time.perf_counter() - started:.0f} s "
-                  "to here", estimate_s=PLAN["start"][0])]
-    lines += environment.lines(facts) if "environment" in parts else []
-    lines += run_checks(device, work, log) if "checks" in parts else []
-    lines += run_memory(device, work, log) if "memory" in parts else []
-    if "ladder" in parts:
-        left = args.budget_s - (time.perf_counter() - started) - 10
-        lines += run_ladder(device, work, left, args.ladder_rows, data)
     took = (time.perf_counter() - started) / 60
     header = [f"{facts.get('gpu', facts['cpu'])} on {facts['host']}, "
               f"{datetime.now():%Y-%m-%d %H:%M}; torch {facts['torch']} (CUDA {facts['cuda']}); "
               f"`python -m tools.gpu_check --budget_s {args.budget_s:g}`",
               "Plan (estimates for one H100/H200, not yet measured on a GPU): "
               + ", ".join(f"{k} {v[0]} s" for k, v in PLAN.items()) + f"; took {took:.1f} min."]
-    md, js = write(out, "gpu-check report", header, lines, SECTIONS,
-                   {"memory": memory.calibration(lines)}, facts)
-    failed = sum(line.status == "FAIL" for line in lines)
-    print(f"gpu-check: {failed} failed; report {md} (numbers: {js.name}); paste the report "
-          "into an issue")
-    from distributed import comm
-
-    comm.shutdown()
-    return 1 if failed else 0
+    return write(out, "gpu-check report", header, lines, SECTIONS,
+                 {"memory": memory.calibration(lines)}, facts)
 
 
 if __name__ == "__main__":

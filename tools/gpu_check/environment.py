@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.report import Line
+from tools.gpu_check.report import Line, one_line
 from utils.hardware import cpu_name
 
 # What each optional part is for here, and what is skipped without it.
@@ -62,19 +62,24 @@ def nccl_version() -> str | None:
 
 
 def facts(device: torch.device) -> dict[str, Any]:
-    """Everything the report's header and environment lines say, as plain values."""
+    """Everything the report's header and environment lines say, as plain values. A GPU
+    that cannot be read is said (`gpu_error`), never raised: the report is written anyway."""
     out: dict[str, Any] = {
         "python": platform.python_version(), "executable": sys.executable,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available()
         else None, "nccl": nccl_version(), "device": str(device), "cpu": cpu_name(),
-        "host": platform.node(), "supports": supports(device), "optional": optional_parts()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        free, total = torch.cuda.mem_get_info(device)
-        out.update(gpu=props.name, capability=".".join(map(str, capability(device))),
-                   gpus_visible=torch.cuda.device_count(), memory_gib=total / 2**30,
-                   free_gib=free / 2**30, multiprocessors=props.multi_processor_count)
+        "host": platform.node(), "supports": {}, "optional": optional_parts()}
+    try:
+        out["supports"] = supports(device)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            free, total = torch.cuda.mem_get_info(device)
+            out.update(gpu=props.name, capability=".".join(map(str, capability(device))),
+                       gpus_visible=torch.cuda.device_count(), memory_gib=total / 2**30,
+                       free_gib=free / 2**30, multiprocessors=props.multi_processor_count)
+    except Exception as e:  # noqa: BLE001 - said in the report instead
+        out["gpu_error"] = one_line(e)
     return out
 
 
@@ -83,7 +88,10 @@ def lines(f: dict[str, Any]) -> list[Line]:
     versions = (f"torch {f['torch']}, CUDA {f['cuda']}, cuDNN {f['cudnn']}, NCCL {f['nccl']}, "
                 f"Python {f['python']}")
     rows = [Line("environment", "versions", "info", versions)]
-    if "gpu" in f:
+    if "gpu_error" in f:
+        rows.append(Line("environment", "GPU", "FAIL", detail=f"{f['device']} cannot be "
+                         f"read: {f['gpu_error']}"))
+    elif "gpu" in f:
         rows.append(Line("environment", "GPU", "info",
                          f"{f['gpu']} (sm {f['capability']}), {f['memory_gib']:.1f} GiB, "
                          f"{f['gpus_visible']} visible", f"CPU: {f['cpu']}"))
@@ -91,8 +99,9 @@ def lines(f: dict[str, Any]) -> list[Line]:
         rows.append(Line("environment", "device", "info", f"CPU: {f['cpu']}",
                          "no GPU: the checks that need one are skipped"))
     s = f["supports"]
-    rows.append(Line("environment", "native precisions", "info",
-                     ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in s.items())))
+    if s:
+        rows.append(Line("environment", "native precisions", "info",
+                         ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in s.items())))
     for name, version in f["optional"].items():
         label, what = OPTIONAL[name]
         rows.append(Line("environment", label, "info" if version else "skip",

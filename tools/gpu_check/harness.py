@@ -2,7 +2,7 @@
 of the project's own pieces (the layout, `training.run.build_model`, Adam, the loss, the loss
 scaler and `training.step.Step`), stepped on random batches kept in memory.
 
-    join(device)                       # once per process: the one-rank group, as a job has
+    join(devices.gpu(0))               # once per process: the one-rank group, as a job has
     cfg = small_config(enable_jit=True)
     run = build(cfg, device)           # model (DDP/compile as train.py wraps it), optimizer...
     losses = train(run, batches(cfg, device, 3))
@@ -42,7 +42,9 @@ BATCH = 4
 
 def join(device: torch.device) -> None:
     """A one-rank process group (NCCL on a GPU, gloo on a CPU) and the layout's named
-    groups over it, as a one-process job has them; FSDP's mesh needs a real group."""
+    groups over it, as a one-process job has them; FSDP's mesh needs a real group. A GPU
+    `device` names its index (`utils.devices.gpu`): set_device and device_id refuse one
+    without."""
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

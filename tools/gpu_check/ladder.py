@@ -8,7 +8,9 @@ loader over a synthetic full-size data set on local disk, so the loader rows are
 node's page cache gives, not a parallel file system); the CUDA-graph row runs
 train_mp_graphs.py itself and reads the samples/s of its last epoch. A row is measured as
 the median of `iters` full steps after its warm-up (compile included there); rows whose
-set-up would not fit the time left are skipped, and said. MFU: model FLOP/s over the
+set-up would not fit the time left are skipped, and said. Each row runs through the checks'
+guard (`report.run_line`): one that raises (out of memory, a compile error, a timeout) is
+its own line, and the rows after it still run. MFU: model FLOP/s over the
 GPU's dense peak for the row's precision (PEAK_TFLOPS, by name; TF32 for fp32 rows,
 which run TF32 matmuls as training sets them), and over a measured large matmul's rate.
 """
@@ -18,13 +20,14 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tools.gpu_check import checks
-from tools.gpu_check.report import Line, Skip
+from tools.gpu_check.report import Line, Skip, run_line
 
 # label, the change from the row above, the tutorial's A100-40GB samples/s for that step,
 # the row's estimated seconds on one H100/H200 (set-up, warm-up, steps; not yet measured)
@@ -39,6 +42,7 @@ LADDER: list[tuple[str, dict[str, Any], float | None, float]] = [
     ("+ torch.compile", {"enable_jit": True}, 42.8, 55),
 ]
 GRAPHS = ("+ CUDA graphs", 50)  # its compile finds the row above's kernels in the cache
+DATA_ESTIMATE_S = 0  # the data set is generated while the checks run (__main__.start_data)
 # Dense peaks (TFLOP/s) by GPU name: bf16/fp16, TF32, fp32 (the vendors' data sheets; SXM
 # unless the name says PCIe). Unknown GPUs get MFU against the measured matmul only.
 PEAK_TFLOPS = {"A100": (312, 156, 19.5), "H100 PCIe": (756, 378, 51),
@@ -115,44 +119,72 @@ def row_line(label: str, cfg: Any, sps: float, device: torch.device, published: 
 
 
 def run_ladder(device: torch.device, work: Path, budget_s: float, config: str = "short",
-               iters: int = 4, rows: int = len(LADDER)) -> list[Line]:
+               iters: int = 4, rows: int = len(LADDER), log: Path | None = None
+               ) -> Iterator[Line]:
     """The first `rows` rows of LADDER, then the CUDA-graph row, within `budget_s` seconds
-    (module docstring), as report lines."""
-    from bench.step_runner import StepRunner
-    from tools.gpu_check import harness
-    from training.setup import batch_sizes
-    from utils.config import read_config
-
+    (module docstring), each a report line as soon as it is measured. Every row runs
+    through the checks' guard (`run_line`): one that raises (out of memory, a compile
+    error, a timeout) is its line, and the rows after it still run."""
     start = time.perf_counter()
-    base = read_config(str(harness.CONFIG_FILE), config, environ={})
-    data = data_set(work, tuple(base.img_size))
-    cfg = base.replace(**paths(data), expdir=str(work / "ladder_logs"))
-    layout = harness.layout_of(cfg, device)
-    lines, ceilings, slowest = [], {}, 0.0
+    made: dict[str, Any] = {}
+    setup = run_line("ladder", "data set", lambda: set_up(device, work, config, made),
+                     DATA_ESTIMATE_S, log)
+    yield setup
+    if setup.status != "info":
+        for label, *_ in LADDER[:rows]:
+            yield Line("ladder", label, "skip", detail="not run: no data set (the line "
+                       "'data set')")
+        return
+    cfg, layout, ceilings, slowest = made["cfg"], made["layout"], {}, 0.0
     for label, change, published, estimate in LADDER[:rows]:
         why = cannot_run(change, device)
         if why:
-            lines.append(Line("ladder", label, "skip", detail=why, estimate_s=estimate))
+            yield Line("ladder", label, "skip", detail=why, estimate_s=estimate)
             continue
         cfg = cfg.replace(**change)
         left = budget_s - (time.perf_counter() - start)
         if left < 2 * slowest + 20:
-            lines.append(Line("ladder", label, "skip", detail=f"the time budget is spent "
-                              f"({left:.0f} s left)", estimate_s=estimate))
+            yield Line("ladder", label, "skip", detail=f"the time budget is spent "
+                       f"({left:.0f} s left)", estimate_s=estimate)
             continue
-        began = time.perf_counter()
-        runner = StepRunner(label, cfg, layout)
+        line = run_line("ladder", label, lambda cfg=cfg, label=label, published=published:
+                        measure_row(label, cfg, layout, device, iters, published, ceilings),
+                        estimate, log)
+        slowest = max(slowest, line.seconds)
+        yield line
+    left = budget_s - (time.perf_counter() - start)
+    yield run_line("ladder", GRAPHS[0], lambda: graphs_row(cfg, device, work, left, ceilings),
+                   GRAPHS[1], log)
+
+
+def set_up(device: torch.device, work: Path, config: str, made: dict[str, Any]) -> Line:
+    """The ladder's config on its data set (made once per work folder), into `made`."""
+    from tools.gpu_check import harness
+    from utils.config import read_config
+
+    base = read_config(str(harness.CONFIG_FILE), config, environ={})
+    data = data_set(work, tuple(base.img_size))
+    made["cfg"] = base.replace(**paths(data), expdir=str(work / "ladder_logs"))
+    made["layout"] = harness.layout_of(made["cfg"], device)
+    return Line("ladder", "data set", "info", f"config {config}, {base.img_size[0]} x "
+                f"{base.img_size[1]}", str(data))
+
+
+def measure_row(label: str, cfg: Any, layout: Any, device: torch.device, iters: int,
+                published: float | None, ceilings: dict[torch.dtype, float]) -> Line:
+    """One row: built, warmed up and stepped by bench/step_runner.py as train.py would."""
+    from bench.step_runner import StepRunner
+    from training.setup import batch_sizes
+
+    runner = StepRunner(label, cfg, layout)
+    try:
         runner.warm_up(2)
         times = runner.full(iters, untimed=runner.prefetched)
-        batch, _ = batch_sizes(cfg, 1)
+    finally:
         runner.close()
-        slowest = max(slowest, time.perf_counter() - began)
-        lines.append(row_line(label, cfg, batch / statistics.median(times), device,
-                              published, ceilings, {"first_step_s": runner.first_step_s}))
-        lines[-1].seconds, lines[-1].estimate_s = time.perf_counter() - began, estimate
-    lines.append(graphs_row(cfg, device, work, budget_s - (time.perf_counter() - start),
-                            ceilings))
-    return lines
+    batch, _ = batch_sizes(cfg, 1)
+    return row_line(label, cfg, batch / statistics.median(times), device, published,
+                    ceilings, {"first_step_s": runner.first_step_s})
 
 
 def cannot_run(change: dict[str, Any], device: torch.device) -> str | None:
@@ -177,19 +209,14 @@ def graphs_row(cfg: Any, device: torch.device, work: Path, left: float,
                ceilings: dict[torch.dtype, float]) -> Line:
     """The last row: train_mp_graphs.py with the row above's settings (a process of its
     own), the samples/s of its last epoch."""
-    try:
-        checks.needs_cuda(device, "CUDA-graph capture")
-    except Skip as e:
-        return Line("ladder", GRAPHS[0], "skip", detail=str(e), estimate_s=GRAPHS[1])
+    checks.needs_cuda(device, "CUDA-graph capture")
     if left < 90:
-        return Line("ladder", GRAPHS[0], "skip", detail=f"the time budget is spent "
-                    f"({left:.0f} s left)", estimate_s=GRAPHS[1])
+        raise Skip(f"the time budget is spent ({left:.0f} s left)")
     flags = [f"--config={cfg.config}", "--num_iters=8", "--graph_warmup=3",
              f"--amp_mode={cfg.amp_mode}", f"--num_data_workers={cfg.num_data_workers}",
              f"--data_loader_config={cfg.data_loader_config}", "--skip_initial_validation"]
     flags += ["--enable_fused"] if cfg.enable_fused else []
     flags += ["--enable_jit"] if cfg.enable_jit else []
-    began = time.perf_counter()
     data = Path(cfg.train_data_path).parent
     _, out = checks.script_losses("train_mp_graphs.py", flags, data, work / "graphs_logs",
                                   timeout=max(left - 10, 60), fp32=False)
@@ -199,5 +226,4 @@ def graphs_row(cfg: Any, device: torch.device, work: Path, left: float,
     line = row_line(GRAPHS[0], cfg, rates[-1], device, None, ceilings,
                     {"epochs": rates, "separate_process": True})
     line.detail = "its own process: the last of 4 epochs of 2 steps"
-    line.seconds, line.estimate_s = time.perf_counter() - began, GRAPHS[1]
     return line

@@ -72,7 +72,7 @@ def run_line(section: str, name: str, fn: Callable[[], Outcome | Line], estimate
     except Exception as e:  # noqa: BLE001 - one check's failure is a line, not the end
         out_of_memory = "out of memory" in str(e).lower()
         if out_of_memory:
-            _free_gpu_memory()
+            free_gpu_memory()
         if log is not None:
             with open(log, "a") as f:
                 f.write(f"--- {section}: {name}\n{traceback.format_exc()}\n")
@@ -88,7 +88,7 @@ def run_line(section: str, name: str, fn: Callable[[], Outcome | Line], estimate
                 estimate_s, got.data)
 
 
-def _free_gpu_memory() -> None:
+def free_gpu_memory() -> None:
     import gc
 
     import torch

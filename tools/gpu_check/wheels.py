@@ -7,7 +7,9 @@ a folder of wheels where the package index is reachable, installed from it on th
 `download`: `pip download --only-binary=:all:` of requirements.txt without torch (the site's)
 and without DALI (its wheel names a CUDA version; `--extra` adds it), for CPython of
 `--python` on manylinux x86_64 (glibc 2.17 to `--glibc`), plus pip's own wheel, and a
-manifest (MANIFEST) saying what the folder is for.
+manifest (MANIFEST) saying what the folder is for. It runs on Python >= 3.7 (`make wheels`
+checks that first: this file does not parse on older ones) with pip >= MIN_PIP, which
+takes the repeated `--platform` it gives.
 
 `install`, run by the interpreter that will run the checks (the site's Python, PY): the
 requirements PY lacks (absent, or a version the requirement refuses) and only those, from
@@ -35,7 +37,6 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +45,8 @@ SOURCE = "gpu-check-source.json"  # in the venv: which interpreter it extends
 # The site brings these: torch (its own build), DALI (a wheel per CUDA version: --extra).
 SITE_OR_OPTIONAL = ("torch", "nvidia-dali-")
 USER_ERROR = 2
+# pip takes --platform more than once from 20.3 (pypa/pip#8820); older ones keep the last.
+MIN_PIP = (20, 3)
 
 
 class WheelsError(Exception):
@@ -98,9 +101,28 @@ def download_command(folder: Path, python: str, glibc: str, requirements: Sequen
     return command + ["pip", *requirements]
 
 
+def pip_problem(version_line: str, python: str = sys.executable) -> str | None:
+    """Why the pip that printed `version_line` (`pip --version`) cannot make the folder,
+    or None: it is missing, or older than MIN_PIP."""
+    found = re.match(r"pip (\d+)\.(\d+)", version_line.strip())
+    upgrade = f"{python} -m pip install --upgrade pip, or give another PYTHON=<python>"
+    if not found:
+        return f"{python} has no pip (make wheels runs `{python} -m pip download`): {upgrade}"
+    if (int(found.group(1)), int(found.group(2))) < MIN_PIP:
+        return (f"pip {found.group(1)}.{found.group(2)} of {python} keeps one --platform "
+                f"only; make wheels gives several (manylinux 2.17 to the nodes' glibc) and "
+                f"needs pip >= {'.'.join(map(str, MIN_PIP))}: {upgrade}")
+    return None
+
+
 def download(folder: Path, python: str, glibc: str, requirements: Sequence[str]) -> None:
     """`make wheels`: the wheels of `requirements` (and their dependencies, and pip) for
     CPython `python` on manylinux x86_64 into `folder`, and the MANIFEST."""
+    version = subprocess.run([sys.executable, "-m", "pip", "--version"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    problem = pip_problem(version.stdout if version.returncode == 0 else "")
+    if problem:
+        raise WheelsError(problem)
     folder.mkdir(parents=True, exist_ok=True)
     command = download_command(folder, python, glibc, requirements)
     print(" ".join(command), flush=True)
@@ -146,6 +168,8 @@ def _requirement(line: str):  # noqa: ANN202 - packaging's Requirement, or None
 def unmet(requirements: Sequence[str]) -> list[str]:
     """The requirements this interpreter does not satisfy: absent, or a version the
     requirement's specifier refuses."""
+    from importlib import metadata  # Python >= 3.8: the install's PY has torch, so >= 3.9
+
     missing = []
     for line in requirements:
         try:
@@ -261,6 +285,8 @@ def install(env: Path, folder: Path | None, requirements: Sequence[str]) -> str:
 
 def shadowed_by(python: Path) -> list[str]:
     """Distributions installed into the venv of `python` that this interpreter also has."""
+    from importlib import metadata
+
     mine = {canonical(d.metadata["Name"]) for d in metadata.distributions()}
     theirs = {canonical(d.metadata["Name"])
               for d in metadata.distributions(path=[str(purelib(python))])}
