@@ -17,10 +17,10 @@ FORCING ?= 100
 CONFIG ?= cpu_quickstart
 
 # The unit tier is every test without a tier marker (pyproject.toml lists the markers).
-UNIT := not distributed and not e2e and not slurm and not gpu
+UNIT := not distributed and not e2e and not slurm and not gpu and not earth2studio
 
 .PHONY: venv data data-ens train evaluate tutorial test test-fast test-dist test-e2e test-gpu lint bench clean \
-	wheels gpu-check test-min-torch
+	wheels gpu-check test-min-torch venv-earth2studio test-earth2studio
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -134,6 +134,35 @@ test-min-torch: $(MIN_VENV)/.installed
 	$(MIN_PY) -m pytest -q -m "$(UNIT)" tests
 	$(MIN_PY) -m pytest -q $(MIN_TORCH_TESTS)
 
+# CI's third tier (.ci/run): NVIDIA's Earth2Studio runs this project's models
+# (docs/earth2studio.md). Its venv sees the project's .venv (a .pth file names its
+# site-packages): Earth2Studio runs on the very PyTorch the project pins, never a second one
+# (requirements.txt's torch line is also a constraint), and what it needs in other versions
+# (netCDF4 < 1.7.3) is installed in its own site-packages, which come first. PyPI's
+# torchvision (PhysicsNeMo's, through timm) is a CUDA build: beside a CPU-only torch it
+# cannot load, and is removed again (FourCastNet's class is then missing: its test says so).
+# The tier trains tiny models, evaluates them with inference.py and runs them in
+# Earth2Studio's deterministic and ensemble workflows: the forecasts must be equal.
+E2S_VENV := .venv-earth2studio
+E2S_PY := $(E2S_VENV)/bin/python
+
+$(E2S_VENV)/.installed: $(VENV)/.installed requirements-earth2studio.txt
+	rm -rf $(E2S_VENV)
+	$(PY) -m venv $(E2S_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> $$($(E2S_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/project-venv.pth
+	grep -E '^torch==' requirements.txt > $(E2S_VENV)/constraints.txt
+	$(E2S_PY) -m pip install --quiet -c $(E2S_VENV)/constraints.txt -r requirements-earth2studio.txt
+	$(E2S_PY) -c "import torchvision" 2>/dev/null || { \
+		echo "PyPI's torchvision does not load beside this torch: removed"; \
+		$(E2S_PY) -m pip uninstall --quiet --yes torchvision; }
+	touch $@
+
+venv-earth2studio: $(E2S_VENV)/.installed
+
+test-earth2studio: $(E2S_VENV)/.installed
+	EARTH2STUDIO_TESTS_REQUIRED=1 $(E2S_PY) -m pytest -q -rs -m earth2studio tests
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
@@ -141,4 +170,4 @@ bench: venv data
 	DATA_DIR=$(DATA_DIR) $(PY) -m bench.bench_step --config=cpu_short
 
 clean:
-	rm -rf $(VENV) $(DATA_DIR) $(MIN_VENV) $(GPU_CHECK_ENV)
+	rm -rf $(VENV) $(DATA_DIR) $(MIN_VENV) $(GPU_CHECK_ENV) $(E2S_VENV)

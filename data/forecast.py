@@ -58,7 +58,7 @@ class RolloutData:
         self.lengths = [n + self.dt for n in data.samples_per_file]  # samples per file
         self.means, self.stds = data.means, data.stds  # (C, 1, 1)
         self._fields: dict[str, h5py.Dataset] = {}
-        self._times = {path: _file_times(path, n)
+        self._times = {path: file_times(path, n)
                        for path, n in zip(self.files, self.lengths, strict=True)}
         self.runs = _runs(self.files, self.lengths, self._times)
         self._place = {path: (r, offset) for r, run in enumerate(self.runs)
@@ -249,7 +249,7 @@ def _rh_definition(files: list[str], location: str) -> str:
     return next(iter(seen), "")
 
 
-def _file_times(path: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def file_times(path: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(hours since 1970-01-01, year fraction, UTC hour) of each of a file's n samples."""
     with h5py.File(path, "r") as f:
         spy = int(f["fields"].attrs.get("samples_per_year", n))

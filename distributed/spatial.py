@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from distributed import comm
-from distributed.fft import RealFFT2, balanced_split, kept_modes
+from distributed.fft import Modes, RealFFT2, balanced_split
 from distributed.helpers import (
     annotate,
     compute_split_shapes,
@@ -57,12 +57,12 @@ class SpatialLayers:
         rows, cols = tile_bounds(grid)
         return rows.stop - rows.start, cols.stop - cols.start
 
-    def spectral_transform(self, grid: tuple[int, int], fraction: float, num_blocks: int,
-                           block_size: int) -> RealFFT2:
-        """The distributed FFT; the spectrum's channels split over w in whole blocks (the
-        spectral MLP is block-diagonal, so each rank applies its blocks' weights)."""
+    def spectral_transform(self, modes: Modes, num_blocks: int, block_size: int) -> RealFFT2:
+        """The distributed FFT keeping `modes`; the spectrum's channels split over w in
+        whole blocks (the spectral MLP is block-diagonal, so each rank applies its blocks'
+        weights)."""
         blocks = balanced_split(num_blocks, comm.get_size("w"))
-        return RealFFT2(kept_modes(grid, fraction), num_blocks * block_size,
+        return RealFFT2(modes, num_blocks * block_size,
                         [n * block_size for n in blocks], groups=SPATIAL_GROUPS)
 
     def annotate(self, model: nn.Module) -> None:

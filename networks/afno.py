@@ -15,6 +15,13 @@ weights, block-diagonal over channels (`num_blocks` independent blocks); shrink 
 threshold (`sparsity_threshold`) on the real and imaginary parts, which sparsifies the
 spectrum; modes above `hard_thresholding_fraction` of each axis are dropped (zero).
 
+FourCastNet as NVIDIA publishes it (`afno_variant: fourcastnet`: the original code, PhysicsNeMo's
+`AFNO`, Earth2Studio's FCN, whose weights tools/fourcastnet_weights.py loads) differs in four
+details, each reproduced by the variant: no LayerNorm before the head (the original defines
+one and never applies it), a head without bias, LayerNorm eps 1e-6 (PyTorch's default is
+1e-5), and the Fourier modes its code keeps (networks/spectral.py, `kept_modes`: of the
+longitudes only those below the rows' count, H // 2 + 1).
+
 An ensemble member (`noise_channels` > 0) also takes its noise, (B, noise_channels, h, w) on
 this rank's token tile, which scales and shifts both norms of every block as in the ViT
 (networks/noise.py): pointwise per token, so a tile's tokens need only their own noise.
@@ -37,9 +44,12 @@ import torch.nn.functional as F
 from networks.blocks import run_blocks
 from networks.kernels import patch_conv
 from networks.noise import NoiseEmbed, NoiseModulation, modulate
-from networks.spectral import RealFFT2, kept_modes
+from networks.spectral import Modes, RealFFT2, kept_modes
 from networks.vit import MLP, check_noise, init_weights, noise_keys
 from utils.config_schema import Config
+
+# `afno_variant`: this repository's AFNO, or FourCastNet's as published (module docstring).
+VARIANTS = ("default", "fourcastnet")
 
 
 class SerialGrid:
@@ -48,9 +58,8 @@ class SerialGrid:
     def tile(self, grid: tuple[int, int]) -> tuple[int, int]:
         return grid
 
-    def spectral_transform(self, grid: tuple[int, int], fraction: float, num_blocks: int,
-                           block_size: int) -> RealFFT2:
-        return RealFFT2(kept_modes(grid, fraction), num_blocks * block_size)
+    def spectral_transform(self, modes: Modes, num_blocks: int, block_size: int) -> RealFFT2:
+        return RealFFT2(modes, num_blocks * block_size)
 
     def annotate(self, model: nn.Module) -> None:
         """Parallel layouts record how each parameter is laid out; nothing to do here."""
@@ -107,11 +116,12 @@ class AFNOBlock(nn.Module):
     pre-norm channel MLP with its residual. With `cond_dim` (an ensemble member), each
     norm's output is scaled and shifted by the noise embedding `cond`."""
 
-    def __init__(self, dim: int, mlp_ratio: float, filter_: SpectralFilter, cond_dim: int = 0):
+    def __init__(self, dim: int, mlp_ratio: float, filter_: SpectralFilter, cond_dim: int = 0,
+                 eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.filter = filter_
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         self.noise_mod = NoiseModulation(cond_dim, dim) if cond_dim else None
 
@@ -143,8 +153,13 @@ class AFNONet(nn.Module):
         activation_checkpointing: str = "none",
         noise_channels: int = 0,
         noise_embed_dim: int = 32,
+        variant: str = "default",
     ):
         super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"afno_variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+        fourcastnet = variant == "fourcastnet"
+        eps = 1e-6 if fourcastnet else 1e-5
         self.patch_size, self.out_chans = patch_size, out_chans
         self.recompute_blocks = activation_checkpointing == "blocks"  # networks/blocks.py
         self.grid = (img_size[0] // patch_size, img_size[1] // patch_size)
@@ -155,15 +170,16 @@ class AFNONet(nn.Module):
         self.noise_channels = noise_channels  # 0: deterministic, no noise taken
         cond_dim = noise_embed_dim if noise_channels else 0
         self.noise_embed = NoiseEmbed(noise_channels, cond_dim) if cond_dim else None
+        modes = kept_modes(self.grid, hard_thresholding_fraction, fourcastnet)
         self.blocks = nn.ModuleList(
             AFNOBlock(embed_dim, mlp_ratio, SpectralFilter(
                 embed_dim, num_blocks,
-                layers.spectral_transform(self.grid, hard_thresholding_fraction, num_blocks,
-                                          embed_dim // num_blocks),
-                sparsity_threshold, hidden_size_factor), cond_dim)
+                layers.spectral_transform(modes, num_blocks, embed_dim // num_blocks),
+                sparsity_threshold, hidden_size_factor), cond_dim, eps)
             for _ in range(depth))
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size)
+        self.norm = None if fourcastnet else nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, out_chans * patch_size * patch_size,
+                              bias=not fourcastnet)
         layers.annotate(self)  # before init: a sharded parameter draws its full tensor
         init_weights(self, seed, layers)
 
@@ -180,7 +196,7 @@ class AFNONet(nn.Module):
         x = x.permute(0, 2, 3, 1).contiguous() + self.pos_embed
         cond = None if noise is None else self.noise_embed(noise.permute(0, 2, 3, 1))
         x = run_blocks(self.blocks, x, self.recompute_blocks, cond)
-        x = self.head(self.norm(x))  # (B, h, w, p*p*C_out)
+        x = self.head(x if self.norm is None else self.norm(x))  # (B, h, w, p*p*C_out)
         x = x.view(x.shape[0], h, w, p, p, self.out_chans)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], self.out_chans, h * p, w * p)
 
@@ -189,25 +205,28 @@ class AFNONet(nn.Module):
 
 def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,
                      out_chans: int, grid: tuple[int, int], num_blocks: int,
-                     mlp_ratio: float = 4.0, hidden_size_factor: int = 1) -> int:
+                     mlp_ratio: float = 4.0, hidden_size_factor: int = 1,
+                     variant: str = "default") -> int:
     """Closed-form parameter count of `AFNONet` (checked against the module in tests)."""
     D, p = embed_dim, patch_size
     hidden = int(D * mlp_ratio)
     bs, f = D // num_blocks, hidden_size_factor
     spectral = 2 * num_blocks * (2 * bs * bs * f + bs * f + bs)  # w1, w2, b1, b2
     block = 2 * 2 * D + spectral + (D * hidden + hidden) + (hidden * D + D)
-    head = D * out_chans * p * p + out_chans * p * p
-    return in_chans * p * p * D + D + grid[0] * grid[1] * D + depth * block + 2 * D + head
+    head = D * out_chans * p * p
+    if variant != "fourcastnet":  # the final norm and the head's bias
+        head += 2 * D + out_chans * p * p
+    return in_chans * p * p * D + D + grid[0] * grid[1] * D + depth * block + head
 
 
 def flops_per_sample(img_size: tuple[int, int], patch_size: int, in_chans: int,
                      out_chans: int, embed_dim: int, depth: int, num_blocks: int,
                      mlp_ratio: float = 4.0, hard_thresholding_fraction: float = 1.0,
-                     hidden_size_factor: int = 1) -> dict[str, int]:
+                     hidden_size_factor: int = 1, variant: str = "default") -> dict[str, int]:
     """Forward FLOPs of one sample, by part (see `training_flops_per_sample`)."""
     h, w = img_size[0] // patch_size, img_size[1] // patch_size
     N, D, p = h * w, embed_dim, patch_size
-    modes = kept_modes((h, w), hard_thresholding_fraction)
+    modes = kept_modes((h, w), hard_thresholding_fraction, variant == "fourcastnet")
     M = modes.rows * modes.kw  # kept complex modes
     bs = D // num_blocks
     return {
@@ -222,7 +241,7 @@ def flops_per_sample(img_size: tuple[int, int], patch_size: int, in_chans: int,
 def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_chans: int,
                               out_chans: int, embed_dim: int, depth: int, num_blocks: int,
                               mlp_ratio: float = 4.0, hard_thresholding_fraction: float = 1.0,
-                              hidden_size_factor: int = 1) -> int:
+                              hidden_size_factor: int = 1, variant: str = "default") -> int:
     """Analytic FLOPs of one training sample (forward + backward = 3 x forward).
 
     A (m x k) @ (k x n) matmul is 2 m k n FLOPs. Per sample, N = h w tokens of width D:
@@ -240,7 +259,7 @@ def training_flops_per_sample(img_size: tuple[int, int], patch_size: int, in_cha
     """
     parts = flops_per_sample(img_size, patch_size, in_chans, out_chans, embed_dim, depth,
                              num_blocks, mlp_ratio, hard_thresholding_fraction,
-                             hidden_size_factor)
+                             hidden_size_factor, variant)
     return 3 * sum(parts.values())
 
 
@@ -262,5 +281,6 @@ def afno_from_params(cfg: Config, layers: Any = None) -> AFNONet:
         layers=layers,
         seed=cfg.seed,
         activation_checkpointing=cfg.activation_checkpointing,
+        variant=cfg.afno_variant,
         **noise_keys(cfg),
     )

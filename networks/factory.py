@@ -34,7 +34,8 @@ def training_flops(cfg: Config) -> int:
              cfg.embed_dim, cfg.depth)
     if cfg.model == "afno":
         member = afno.training_flops_per_sample(*shape, cfg.num_blocks, cfg.mlp_ratio,
-                                                cfg.hard_thresholding_fraction)
+                                                cfg.hard_thresholding_fraction,
+                                                variant=cfg.afno_variant)
     else:
         member = vit.training_flops_per_sample(*shape, cfg.mlp_ratio)
     return member * cfg.ensemble_size

@@ -36,11 +36,23 @@ class Modes:
         return min(self.grid[0], 2 * self.kh - 1)
 
 
-def kept_modes(grid: tuple[int, int], fraction: float = 1.0) -> Modes:
-    """The modes AFNO's hard thresholding keeps: `fraction` of each axis' frequencies."""
+def kept_modes(grid: tuple[int, int], fraction: float = 1.0, fourcastnet: bool = False
+               ) -> Modes:
+    """The modes AFNO's hard thresholding keeps: `fraction` of each axis' frequencies.
+
+    `fourcastnet`: the modes FourCastNet's published AFNO keeps (networks/afno.py,
+    `afno_variant`): its code counts the kept modes of both axes from the rows, H // 2 + 1,
+    so at fraction 1 it keeps every row but only the columns k < min(W // 2 + 1, H // 2 + 1)
+    (46 of 91 on its 90 x 180 token grid). Below 1 it keeps a band of the highest row
+    frequencies instead of the lowest: not reproduced, refused."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"hard_thresholding_fraction must be in (0, 1], got {fraction}")
     H, W = grid
+    if fourcastnet:
+        if fraction != 1.0:
+            raise ValueError(f"FourCastNet's mode truncation is reproduced at "
+                             f"hard_thresholding_fraction 1 only, got {fraction}")
+        return Modes((H, W), H // 2 + 1, min(W // 2 + 1, H // 2 + 1))
     return Modes((H, W), max(1, int(fraction * (H // 2 + 1))),
                  max(1, int(fraction * (W // 2 + 1))))
 

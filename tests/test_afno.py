@@ -62,7 +62,7 @@ def _params(**overrides) -> SimpleNamespace:
     base = dict(img_size=list(IMG), patch_size=4, n_in_channels=3, n_out_channels=2,
                 embed_dim=16, depth=2, num_blocks=4, mlp_ratio=4.0, sparsity_threshold=0.01,
                 hard_thresholding_fraction=1.0, seed=0, activation_checkpointing="none",
-                ensemble_size=1)
+                ensemble_size=1, afno_variant="default")
     return SimpleNamespace(**{**base, **overrides})
 
 

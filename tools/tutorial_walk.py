@@ -1,5 +1,5 @@
 """Walk the README's tutorial as a newcomer would: every CPU command of its steps (Quickstart
-to step 13), exactly as the README writes it (tools/readme_commands.py reads them from it), in
+to step 14), exactly as the README writes it (tools/readme_commands.py reads them from it), in
 order, in a fresh copy of this checkout. Prints a table: the command, its exit status, wall
 time (and the time the README states), and whether what the README says to look at appeared.
 
@@ -181,6 +181,16 @@ LOOKS: list[tuple[Callable[[str], bool], Check]] = [
      line(r"u10: ensemble CRPS below persistence's MAE at \d+ of \d+ leads; .*; [\d.]+ x the "
           r"perfect-model ensemble's", "the ensemble's CRPS against its references")),
     (lambda t: "inference.py" in t and "--config=cpu_ens" in t, ensemble_files),
+    (lambda t: "tools.export_earth2studio" in t,
+     line(r"Exported \S+ \(iteration \d+, \w+\) to \S+: 20 variables \(u10m, v10m,",
+          "the package and its 20 Earth2Studio variables")),
+    (lambda t: t.startswith("make venv-earth2studio"),
+     exists(".venv-earth2studio/.installed", "Earth2Studio's environment")),
+    (lambda t: "tools.earth2studio.forecast" in t,
+     line(r"Earth2Studio's (deterministic|ensemble) workflow: ", "Earth2Studio's workflow ran")),
+    (lambda t: "tools.earth2studio.forecast" in t,
+     line(r"max \S+ over \d+ leads, 20 channels(, \d+ members)?: equal to 1e-05",
+          "equal to inference.py's forecasts at every lead")),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"), forecast_files),
     (lambda t: "inference.py" in t or t.startswith("make evaluate"),
      line(r": model RMSE above persistence .*; ACC below 0\.6 ", "where the skill runs out")),
@@ -201,9 +211,10 @@ def looks(c: Command) -> list[Check]:
 
 # ----------------------------------------------------------------- the copy and the runs
 def make_copy(dest: Path) -> None:
-    """This checkout's tracked files (as they are now) in `dest`, with links to its .venv
-    and datasets. The copied requirement files get the age of the venv's stamp, so that
-    `make` finds the linked environment up to date instead of rebuilding it."""
+    """This checkout's tracked files (as they are now) in `dest`, with links to its .venv,
+    .venv-earth2studio (step 14's, where it exists) and datasets. The copied requirement
+    files get the age of their venv's stamp, so that `make` finds the linked environments up
+    to date instead of rebuilding them."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
                            check=True).stdout.decode().split("\0")
     for name in filter(None, files):
@@ -211,14 +222,16 @@ def make_copy(dest: Path) -> None:
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
-    for shared in (".venv", "datasets"):
+    for shared in (".venv", ".venv-earth2studio", "datasets"):
         if (REPO / shared).exists():
             (dest / shared).symlink_to((REPO / shared).resolve())
-    stamp = dest / ".venv" / ".installed"
-    if stamp.exists():
-        age = stamp.stat().st_mtime - 1
-        for name in ("requirements.txt", "requirements-dev.txt"):
-            os.utime(dest / name, (age, age))
+    for venv, names in ((".venv", ("requirements.txt", "requirements-dev.txt")),
+                        (".venv-earth2studio", ("requirements-earth2studio.txt",))):
+        stamp = dest / venv / ".installed"
+        if stamp.exists():
+            age = stamp.stat().st_mtime - 1
+            for name in names:
+                os.utime(dest / name, (age, age))
 
 
 # The README's note for mpirun as root (step 7): Open MPI refuses to start without these.

@@ -64,7 +64,7 @@ FORMAT = "era5-vit-checkpoint"
 VERSION = 1
 # Config keys that must match for the saved tensors to fit the model.
 MODEL_KEYS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_heads",
-              "num_blocks", "mlp_ratio", "n_in_channels", "n_out_channels")
+              "num_blocks", "mlp_ratio", "n_in_channels", "n_out_channels", "afno_variant")
 REQUIRED = ("config", "model", "optimizer", "scheduler", "scaler", "iters", "epoch",
             "epoch_step", "rng")
 # Config keys that must also match between two ensembles (the noise layers' shapes).

@@ -96,6 +96,10 @@ class ModelKeys(Keys):
     sparsity_threshold: NonNegFloat = Field(0.01, description="AFNO soft-shrink threshold")
     hard_thresholding_fraction: Annotated[float, Gt(0), Le(1)] = Field(
         1.0, description="fraction of Fourier modes AFNO keeps")
+    afno_variant: Literal["default", "fourcastnet"] = Field(
+        "default", description="AFNO: 'fourcastnet' is FourCastNet's published architecture "
+        "(no final norm, head without bias, LayerNorm eps 1e-6, its Fourier modes), to load "
+        "its weights (networks/afno.py, docs/earth2studio.md)")
     dropout: Fraction = Field(0.0, description="dropout probability")
     img_size: Annotated[list[PosInt], Len(2, 2)] = Field(
         description="grid [H, W] read from the data (the first H rows, W columns)")
@@ -258,6 +262,11 @@ def _check_widths(c: Config) -> None:
     # tp splits the heads and the embedding (and with it the MLP's hidden units).
     if c.model == "vit" and c.embed_dim % c.num_heads:
         raise ValueError(f"embed_dim {c.embed_dim} is not divisible by num_heads {c.num_heads}")
+    if c.afno_variant == "fourcastnet" and (c.model != "afno"
+                                            or c.hard_thresholding_fraction != 1.0):
+        raise ValueError(f"afno_variant fourcastnet is an AFNO with hard_thresholding_fraction "
+                         f"1 (FourCastNet's), got model {c.model}, hard_thresholding_fraction "
+                         f"{c.hard_thresholding_fraction}")
     if c.model == "afno" and c.embed_dim % c.num_blocks:
         raise ValueError(f"embed_dim {c.embed_dim} is not divisible by "
                          f"num_blocks {c.num_blocks}")
