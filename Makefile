@@ -140,7 +140,7 @@ test-min-torch: $(MIN_VENV)/.installed
 # (requirements.txt's torch line is also a constraint), and what it needs in other versions
 # (netCDF4 < 1.7.3) is installed in its own site-packages, which come first. PyPI's
 # torchvision (PhysicsNeMo's, through timm) is a CUDA build: beside a CPU-only torch it
-# cannot load, and is removed again (FourCastNet's class is then missing: its test says so).
+# cannot load, and is removed again (the FourCastNet test then imports PhysicsNeMo's AFNO alone).
 # The tier trains tiny models, evaluates them with inference.py and runs them in
 # Earth2Studio's deterministic and ensemble workflows: the forecasts must be equal.
 E2S_VENV := .venv-earth2studio

@@ -9,8 +9,11 @@ random, their shapes the published ones."""
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
 import tarfile
+import types
 import zipfile
 from pathlib import Path
 
@@ -24,23 +27,55 @@ from helpers import CONFIG_FILE
 
 pytestmark = [pytest.mark.earth2studio, pytest.mark.usefixtures("require_earth2studio")]
 
-# PyPI's torchvision (timm's, PhysicsNeMo's) is a CUDA build; beside a CPU-only torch it
-# does not load and `make venv-earth2studio` removes it: PhysicsNeMo cannot be imported then.
-CPU_TORCH = "+cpu" in torch.__version__
 SMALL = [64, 128]  # 8 x 16 tokens: FourCastNet's modes keep 5 of the 9 longitude ones
+
+
+def _bare_package(name: str) -> types.ModuleType:
+    """Package `name` registered without running its __init__: its submodules still import
+    from its folder."""
+    parent, _, leaf = name.rpartition(".")
+    package = types.ModuleType(name)
+    package.__path__ = [f"{path}/{leaf}" for path in sys.modules[parent].__path__]
+    sys.modules[name] = package
+    setattr(sys.modules[parent], leaf, package)
+    return package
+
+
+def _afno_without_timm() -> type:
+    """PhysicsNeMo's AFNO module, imported alone. `physicsnemo.nn` and `physicsnemo.models`
+    import every layer and model in their __init__, the DiT's among them, and those import
+    timm, which imports torchvision: PyPI's torchvision is a CUDA build, which does not
+    load beside a CPU-only torch (`+cpu`). The AFNO and its layers use neither; here they
+    are imported from their own files, the code Earth2Studio's FCN runs, unchanged."""
+    import physicsnemo
+
+    nn_package = _bare_package("physicsnemo.nn")
+    _bare_package("physicsnemo.nn.module")
+    layers = importlib.import_module("physicsnemo.nn.module.afno_layers")
+    for name in ("AFNO2DLayer", "AFNOMlp", "AFNOPatchEmbed"):
+        setattr(nn_package, name, getattr(layers, name))
+    _bare_package("physicsnemo.models")
+    _bare_package("physicsnemo.models.afno")
+    assert physicsnemo.__version__
+    return importlib.import_module("physicsnemo.models.afno.afno").AFNO
 
 
 @pytest.fixture(scope="module")
 def physicsnemo_afno():
-    """PhysicsNeMo's AFNO class; skips (fails under EARTH2STUDIO_TESTS_REQUIRED, unless
-    torch is a CPU-only build: see CPU_TORCH) without it."""
+    """PhysicsNeMo's AFNO class (alone where torchvision cannot load); skips without
+    PhysicsNeMo (fails under EARTH2STUDIO_TESTS_REQUIRED)."""
     try:
         from physicsnemo.models.afno import AFNO
-    except ImportError as e:
-        if not CPU_TORCH:
-            need("physicsnemo.models.afno")
-        pytest.skip(f"needs PhysicsNeMo's AFNO ({e}): it imports torchvision, and PyPI's, a "
-                    f"CUDA build, does not load beside torch {torch.__version__}")
+    except ModuleNotFoundError as e:
+        if e.name == "physicsnemo":
+            need("physicsnemo")
+        for name in [n for n in sys.modules if n.startswith("physicsnemo.")]:
+            del sys.modules[name]  # what the failed import left half made
+        return _afno_without_timm()
+    except ImportError:  # torchvision found, but a build of another torch
+        for name in [n for n in sys.modules if n.startswith(("physicsnemo.", "timm"))]:
+            del sys.modules[name]
+        return _afno_without_timm()
     return AFNO
 
 
