@@ -87,7 +87,7 @@ class Members:
         from pageable memory would wait for the GPU's queue, every step (on the CPU the
         tensor drawn is the one returned)."""
         shape = (self.noise_channels, *self.grid)
-        pinned = torch.device(device).type == "cuda"
+        pinned = str(device).startswith("cuda")
         host = torch.empty((steps, len(samples), self.count, self.noise_channels,
                             self.rows.stop - self.rows.start, self.cols.stop - self.cols.start),
                            dtype=torch.float32, pin_memory=pinned)
