@@ -26,10 +26,10 @@ import time
 
 from distributed.layout import Layout
 from planning.memory import step_memory_line
-from training.compile_cost import StartupReport
+from training.loop_report import LoopReport
 from training.run import build_model, build_training
 from training.script_exit import run_main
-from training.setup import reset_peak_memory, start_run
+from training.setup import start_run
 from training.step import Step
 from utils.config_schema import Config
 
@@ -45,35 +45,29 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     model = build_model(cfg, layout)  # the layout's layers; DDP or FSDP over dp; compile
     run = build_training(cfg, ctx, layout, model, capturable=step.capturable)
     step.prepare(run)  # train_mp_graphs.py: capture the CUDA graph before the loop
-    progress, startup = run.progress, StartupReport(cfg)
+    progress = run.progress
+    # time to the first step, step 2's memory beside the planner's estimate, compile time
+    report = LoopReport(run, step, memory_line=step_memory_line)
     if progress.iters == 0 and not cfg.skip_initial_validation:
         run.end_of_epoch()  # step 0: every curve starts from the untrained model
     log.info(f"Starting training loop: {cfg.num_iters} iterations, "
              f"{run.steps_per_epoch} per epoch")
-    measured = progress.iters + 2  # this process's second step: its memory is logged
     for epoch in run.epochs():  # a resumed run continues mid-epoch
         run.model.train()
         run.prof.epoch_start(epoch, run.last_epoch)
         start, steps = time.time(), 0
         for inp, tar in run.batches():
-            if progress.iters + 1 == measured:  # warm now (compiled, Adam's state made)
-                reset_peak_memory(run.device)  # so the peak is this step's own
-            with run.prof.range(f"step {progress.iters}"):
+            with report.around_step(progress), run.prof.range(f"step {progress.iters}"):
                 loss = step(run, inp, tar)
             run.scheduler.step()
             progress.record(loss)
             steps += 1
             run.guard.after_step(progress, loss)  # NaN check, stop signal, checkpoints
-            startup.after_step(run.log, progress.iters)  # time to first step, compile time
-            if progress.iters == measured:  # its peak beside the planner's estimate
-                how, memory = step.measured_memory(run.device)
-                log.info(step_memory_line(cfg, layout, ctx.local_batch_size, ctx.precision.mode,
-                                          memory, progress.iters, how))
         run.prof.epoch_end()
         run.guard.check_finite()
         run.end_of_epoch(time.time() - start, steps)  # validation, logs, TensorBoard
     run.finish()  # the final checkpoint
-    startup.at_end()
+    report.at_end()
 
 
 def main(cfg: Config) -> None:

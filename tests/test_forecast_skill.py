@@ -151,12 +151,12 @@ def test_sums_of_chunks_add_up_to_the_scores_of_the_whole(rollout_data):
 def _data_parallel_scores(truth, forecast, clim, time_mean):
     """On each rank: this dp rank's chunk of the initial conditions (inference.py's split),
     its sums, all-reduced over dp."""
-    import inference
     from distributed import comm
+    from evaluation import forecast_loop
 
     comm.init()
     ics = list(range(B))
-    mine = inference.my_initial_conditions(ics)
+    mine = forecast_loop.my_initial_conditions(ics)
     sums = sums_of(forecast, truth, clim, time_mean, mine)
     comm.sum_over(sums, "dp")
     return mine, skill_from_sums(sums, B, STDS, list(range(L + 1)), NAMES, REGIONS).rmse

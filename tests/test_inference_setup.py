@@ -17,6 +17,7 @@ import inference
 from evaluation.inference_flags import parse_flags
 from networks import build_model
 from networks.vit import vit_from_params
+from training import trained_model
 from training.checkpoint import Checkpointer, read_checkpoint
 from training.progress import Progress
 from training.run import build_optimizer, build_scheduler
@@ -44,9 +45,9 @@ def args(*flags: str):
 
 
 def test_the_configs_run_is_found_under_log_dir(run_dir):
-    assert inference.locate_checkpoint(args("--config=tiny")) == \
+    assert trained_model.locate_checkpoint(args("--config=tiny")) == \
         str(run_dir / "checkpoints" / "ckpt_00000000.pt")
-    assert inference.run_directory(inference.locate_checkpoint(args("--config=tiny"))) == \
+    assert trained_model.run_directory(trained_model.locate_checkpoint(args("--config=tiny"))) == \
         str(run_dir)
 
 
@@ -56,34 +57,34 @@ def test_of_several_runs_the_config_takes_the_one_saved_last(run_dir):
     older = run_dir / "checkpoints" / "ckpt_00000000.pt"
     os.utime(older, (1e9, 1e9))
     notes: list[str] = []
-    assert inference.locate_checkpoint(args("--config=tiny"), notes) == \
+    assert trained_model.locate_checkpoint(args("--config=tiny"), notes) == \
         str(newer / "checkpoints" / "ckpt_00000000.pt")
     assert notes == [f"2 runs of tiny have checkpoints; taking the newest, {newer} (choose "
                      "another with --run_dir or --run_num)"]
-    assert inference.locate_checkpoint(args("--config=tiny", "--run_num=00")) == str(older)
+    assert trained_model.locate_checkpoint(args("--config=tiny", "--run_num=00")) == str(older)
 
 
 def test_a_run_num_of_two_world_sizes_needs_run_dir(run_dir):
     shutil.copytree(run_dir, run_dir.parent.parent / "2CPU" / "00")
     with pytest.raises(ConfigError, match="2 runs of tiny named 00: .*; choose one with "
                                           "--run_dir"):
-        inference.locate_checkpoint(args("--config=tiny", "--run_num=00"))
+        trained_model.locate_checkpoint(args("--config=tiny", "--run_num=00"))
 
 
 def test_a_config_never_trained_is_a_checkpoint_error(run_dir):
     with pytest.raises(CheckpointError, match=r"no checkpoint in .*/tiny/\*/07/checkpoints"):
-        inference.locate_checkpoint(args("--config=tiny", "--run_num=07"))
+        trained_model.locate_checkpoint(args("--config=tiny", "--run_num=07"))
 
 
 def test_no_model_named_is_a_config_error():
     with pytest.raises(ConfigError, match="give --run_dir RUN_DIR, --checkpoint FILE or"):
-        inference.locate_checkpoint(args())
+        trained_model.locate_checkpoint(args())
 
 
 def test_a_run_dir_without_checkpoints_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/checkpoints "
                                               r"\(--run_dir\): the run has saved none yet"):
-        inference.locate_checkpoint(args(f"--run_dir={tmp_path}"))
+        trained_model.locate_checkpoint(args(f"--run_dir={tmp_path}"))
 
 
 def test_a_missing_run_dir_says_so_and_names_the_runs_beside_it(run_dir):
@@ -93,7 +94,7 @@ def test_a_missing_run_dir_says_so_and_names_the_runs_beside_it(run_dir):
     shutil.copytree(run_dir, logs / "4CPU" / "00-tp=2")
     wrong = logs / "2CPU" / "00"
     with pytest.raises(CheckpointError) as e:
-        inference.locate_checkpoint(args(f"--run_dir={wrong}"))
+        trained_model.locate_checkpoint(args(f"--run_dir={wrong}"))
     assert str(e.value) == (f"no run directory {wrong} (--run_dir); runs with checkpoints in "
                             f"{logs}: 1CPU/00, 4CPU/00-tp=2")
 
@@ -104,34 +105,34 @@ def test_a_missing_run_or_checkpoint_is_raised_alike_by_every_rank(run_dir, flag
     """Every rank looks at the same path before any process group exists: one rank (0)
     prints the line for the job (training/script_exit.py)."""
     with pytest.raises(CheckpointError) as e:
-        inference.locate_checkpoint(args(*flags))
+        trained_model.locate_checkpoint(args(*flags))
     assert e.value.every_rank
 
 
 def test_the_saved_config_is_relocated_by_data_dir_and_evaluated_serially(run_dir, tiny_data):
-    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
-    flagged, _ = inference.load_config(args("--tp=2", "--amp_mode=bf16"), path)
+    path = trained_model.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    flagged, _ = trained_model.load_config(args("--tp=2", "--amp_mode=bf16"), path)
     assert (flagged.tp, flagged.amp_mode) == (2, "bf16")
-    params, ckpt = inference.load_config(args(f"--run_dir={run_dir}"), path)
+    params, ckpt = trained_model.load_config(args(f"--run_dir={run_dir}"), path)
     assert params.config == "tiny" and params.inf_data_path == f"{tiny_data}/test"
     assert (params.tp, params.cp, params.amp_mode) == (1, 1, "none")  # saved tp 2: not used
-    model = inference.load_model(params, ckpt, path, layout_of(params))
+    model = trained_model.load_model(params, ckpt, path, layout_of(params))
     for name, p in model.named_parameters():
         assert torch.equal(p, ckpt["model"][name]), name
     assert not model.training
 
 
 def test_a_config_that_does_not_fit_the_checkpoint_is_refused(run_dir):
-    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    path = trained_model.locate_checkpoint(args(f"--run_dir={run_dir}"))
     with pytest.raises(ConfigError) as e:
-        inference.load_config(args("--config=cpu_short"), path)
+        trained_model.load_config(args("--config=cpu_short"), path)
     assert one_line(e) == (
         f"config 'cpu_short' has embed_dim=192, but {path} was trained from config 'tiny' "
         "with embed_dim=32: give --config=tiny, or leave out --config to evaluate it with "
         "the config saved in it")
     with pytest.raises(ConfigError, match="config 'tiny_ens' has ensemble_size=4, but .* "
                                           "was trained from config 'tiny' with ensemble_size=1"):
-        inference.load_config(args("--config=tiny_ens"), path)
+        trained_model.load_config(args("--config=tiny_ens"), path)
 
 
 def _flag_trained(tiny_data, log_dir, flags: dict) -> str:
@@ -151,26 +152,26 @@ def test_a_flag_trained_ensemble_is_evaluated_by_its_config_name(run_dir, tiny_d
     --config=tiny --ensemble_size 4`: what shapes the model comes from the run (its flags),
     the rest from the section; the checkpoint's every tensor loads."""
     path = _flag_trained(tiny_data, tmp_path / "logs", {"ensemble_size": 4, "loss": "crps"})
-    assert inference.locate_checkpoint(args("--config=tiny")) == path  # the newest run
-    cfg, ckpt = inference.load_config(args("--config=tiny", "--ensemble_size=4"), path)
+    assert trained_model.locate_checkpoint(args("--config=tiny")) == path  # the newest run
+    cfg, ckpt = trained_model.load_config(args("--config=tiny", "--ensemble_size=4"), path)
     assert (cfg.config, cfg.ensemble_size, cfg.loss) == ("tiny", 4, "crps")
     assert cfg.flags == {"ensemble_size": 4, "loss": "crps"}
-    model = inference.load_model(cfg, ckpt, path, layout_of(cfg))
+    model = trained_model.load_model(cfg, ckpt, path, layout_of(cfg))
     assert {n for n, _ in model.named_parameters()} == set(ckpt["model"])
     # its rank layout is the evaluation's own: a run's --ensemble_parallel_size is not taken
     path = _flag_trained(tiny_data, tmp_path / "logs", {"ensemble_size": 4, "loss": "crps",
                                                         "ensemble_parallel_size": 2})
-    cfg, _ = inference.load_config(args("--config=tiny"), path)
+    cfg, _ = trained_model.load_config(args("--config=tiny"), path)
     assert (cfg.ensemble_size, cfg.ensemble_parallel_size) == (4, 1)
 
 
 def test_a_section_changed_since_the_run_is_one_line_naming_the_key(run_dir, tmp_path):
-    path = inference.locate_checkpoint(args(f"--run_dir={run_dir}"))
+    path = trained_model.locate_checkpoint(args(f"--run_dir={run_dir}"))
     edited = tmp_path / "edited.yaml"
     edited.write_text(CONFIG_FILE.read_text())
     edited.write_text(edited.read_text().replace("  depth: 2\n", "  depth: 3\n", 1))
     with pytest.raises(ConfigError) as e:  # tiny itself edited since its run
-        inference.load_config(args(f"--yaml_config={edited}", "--config=tiny"), path)
+        trained_model.load_config(args(f"--yaml_config={edited}", "--config=tiny"), path)
     assert one_line(e) == (
         f"config 'tiny' has depth=3, but {path} was trained with depth=2 (the section changed "
         "since): leave out --config to evaluate it with the config saved in it, or set "
@@ -183,7 +184,7 @@ def test_a_checkpoint_without_a_parameter_is_refused(run_dir, tiny_params):
     del ckpt["model"]["head.weight"]
     with pytest.raises(CheckpointError, match=r"does not fit the model: no tensor for "
                                               r"parameter head.weight \(1 missing\)"):
-        inference.load_model(tiny_params, ckpt, path, layout_of(tiny_params))
+        trained_model.load_model(tiny_params, ckpt, path, layout_of(tiny_params))
 
 
 @pytest.mark.parametrize("flags, error, message", [

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from helpers import REPO
 
-from tools import tutorial_walk
+from tools import tutorial_checks, tutorial_walk
 from tools.readme_commands import read_commands, tutorial_commands
 from utils.hardware import CAP_VARS
 
@@ -57,13 +57,13 @@ def test_every_command_run_has_what_the_readme_says_to_look_at_checked():
     for c in tutorial_commands(REPO):
         if c.skip or c.text.startswith(("source ", "tensorboard ")):
             continue  # activation (the walk's shell has it), a server (its page is asked)
-        assert tutorial_walk.looks(c), f"nothing to look at is checked for: {c.text}"
+        assert tutorial_checks.looks(c), f"nothing to look at is checked for: {c.text}"
 
 
 def test_make_beats_persistence_and_the_ladder_names_each_run():
     commands = {c.text: c for c in tutorial_commands(REPO)}
     out = "RMSE(u10m) model=1.2000 m/s, persistence=1.0666 m/s\nFinished 8 iterations\n"
-    verdicts = [check(out, REPO) for check in tutorial_walk.looks(commands["make train"])]
+    verdicts = [check(out, REPO) for check in tutorial_checks.looks(commands["make train"])]
     assert not all(ok for ok, _ in verdicts), verdicts  # above persistence: not passed
     ladder = [c for c in tutorial_commands(REPO) if c.fresh_dir]
     assert ladder and ladder[0].fresh_dir == "logs/cpu_short/1CPU"
