@@ -83,15 +83,13 @@ class Members:
               device: torch.device | str = "cpu") -> torch.Tensor:
         """(steps, B, count, noise_channels, rows, cols): N(0, 1) noise of this rank's
         members of `samples` for `steps` rollout steps, keyed as the module docstring says.
-        For a GPU it is drawn into page-locked memory and copied without blocking: a copy
+        For a GPU it is staged in page-locked memory and copied without blocking: a copy
         from pageable memory would wait for the GPU's queue, every step (on the CPU the
-        tensor drawn is the one returned)."""
+        array drawn is the tensor returned)."""
         shape = (self.noise_channels, *self.grid)
-        pinned = str(device).startswith("cuda")
-        host = torch.empty((steps, len(samples), self.count, self.noise_channels,
-                            self.rows.stop - self.rows.start, self.cols.stop - self.cols.start),
-                           dtype=torch.float32, pin_memory=pinned)
-        out = host.numpy()  # numpy fills the tensor's own memory
+        out = np.empty((steps, len(samples), self.count, self.noise_channels,
+                        self.rows.stop - self.rows.start, self.cols.stop - self.cols.start),
+                       dtype=np.float32)
         for k in range(steps):
             for b, sample in enumerate(samples):
                 for m, member in enumerate(self.ids):
@@ -99,6 +97,10 @@ class Members:
                     rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=key))
                     out[k, b, m] = rng.standard_normal(shape, dtype=np.float32)[
                         :, self.rows, self.cols]
+        host = torch.from_numpy(out)
+        pinned = str(device).startswith("cuda")
+        if pinned:
+            host = host.pin_memory()
         return host.to(device, non_blocking=pinned)
 
 
