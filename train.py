@@ -27,7 +27,7 @@ import time
 from distributed.layout import Layout
 from planning.memory import step_memory_line
 from training.loop_report import LoopReport
-from training.run import build_model, build_training
+from training.run import build_training, build_wrapped_model
 from training.script_exit import run_main
 from training.setup import start_run
 from training.step import Step
@@ -42,7 +42,7 @@ def train(cfg: Config, layout: Layout, step: Step | None = None) -> None:
     train_mp_graphs.py passes a `step` that replays a CUDA graph."""
     step = step or Step()
     ctx = start_run(cfg, layout)  # logging, seeds, batch sizes, precision, run directory
-    model = build_model(cfg, layout)  # the layout's layers; DDP or FSDP over dp; compile
+    model = build_wrapped_model(cfg, layout)  # the layout's layers; DDP or FSDP over dp; compile
     run = build_training(cfg, ctx, layout, model, capturable=step.capturable)
     step.prepare(run)  # train_mp_graphs.py: capture the CUDA graph before the loop
     progress = run.progress

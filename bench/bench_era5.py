@@ -5,7 +5,7 @@
 1. Builds (once, under --dir) the replica of bench/era5_replica.py: the public store's
    65-year time axis with data in 2016-2018, and a 2-year store (2016-2017) of the same
    layout.
-2. Runs the command a user runs, `python -m data.prepare_era5 REPLICA OUT --train_years 2016
+2. Runs the command a user runs, `python -m era5.prepare REPLICA OUT --train_years 2016
    --valid_years 2017 --test_years 2018 --workers W --batch_size B`, and reports its wall
    time, its CPU time (user + system, the process and its workers: what the wall time
    would be on one idle core) and the peak memory of the whole command (the sum of the
@@ -54,7 +54,7 @@ def stores(where: Path, days: int | None) -> tuple[Path, Path]:
 def run_command(store: Path, out: Path, workers: int, batch: int, days: int | None
                 ) -> tuple[float, float, float, str]:
     """(wall seconds, CPU seconds, peak MB of the process tree, the command's last line)."""
-    cmd = [sys.executable, "-m", "data.prepare_era5", str(store), str(out), *YEARS,
+    cmd = [sys.executable, "-m", "era5.prepare", str(store), str(out), *YEARS,
            "--workers", str(workers), "--batch_size", str(batch)]
     cmd += [] if days is None else ["--max_samples", str(4 * days)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -80,7 +80,7 @@ def run_command(store: Path, out: Path, workers: int, batch: int, days: int | No
 def per_batch(long: Path, short: Path, batch: int, batches: int) -> dict[str, list[float]]:
     """Seconds to open each store (and find 2016's times in it), then per batch of `batch`
     2016 samples, the two stores interleaved."""
-    from data.era5_source import Source
+    from era5.source import Source
 
     first, end = np.datetime64("2016-01-01T00", "h"), np.datetime64("2017-01-01T00", "h")
     times: dict[str, list[float]] = {"open 65 years": [], "open 2 years": [],

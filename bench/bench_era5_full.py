@@ -151,7 +151,7 @@ def trained(where: Path, data: Path) -> tuple[Path, dict[str, str]]:
 
 # ------------------------------------------------------------------ the commands
 def prepare(store: Path, out: Path, samples: int, *flags: str) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "data.prepare_era5", str(store), str(out), "--train_years",
+    cmd = [sys.executable, "-m", "era5.prepare", str(store), str(out), "--train_years",
            "2018", "--max_samples", str(samples), "--workers", "auto", *flags]
     try:
         return measure(cmd)

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.bench_mp import torchrun_results
-from planning.layouts import Layout, layouts, model_summary, plan_all
+from planning.layouts import PlannedLayout, layouts, model_summary, plan_all
 from utils.openmp import available_cores
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,15 +134,15 @@ def allocation_peaks(prof: Any) -> tuple[int, int]:
     return peak, after_forward
 
 
-def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
+def measure(cfg: Any, layout: PlannedLayout, iters: int) -> dict[str, Any]:
     """This rank's measured peaks and step times in `layout` (collective)."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from distributed import comm
-    from distributed.layout import Layout as RankLayout
-    from training.run import build_model, build_optimizer, run_loss
+    from distributed.layout import Layout
+    from training.run import build_optimizer, build_wrapped_model, run_loss
     from training.setup import batch_sizes
     from training.step import Step
     from utils.parallel_axes import config_sizes
@@ -151,7 +151,7 @@ def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
     run_cfg = cfg.replace(**layout.flags())
     comm.init(run_cfg.parallel_order, **config_sizes(run_cfg))
     device = torch.device("cpu")
-    rank = RankLayout.of_groups(run_cfg, None, device)
+    rank = Layout.of_groups(run_cfg, None, device)
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     gen = torch.Generator().manual_seed(1000 + comm.get_rank("dp"))  # one batch per replica
     shape = (local_batch, run_cfg.n_in_channels, *rank.tile.shape)
@@ -160,7 +160,7 @@ def measure(cfg: Any, layout: Layout, iters: int) -> dict[str, Any]:
         gc.collect()
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model = build_model(run_cfg, rank)  # DDP or FSDP over dp, as training wraps it
+            model = build_wrapped_model(run_cfg, rank)  # DDP or FSDP over dp, as training wraps it
             precision = choose_precision(run_cfg.amp_mode, device)
             run = SimpleNamespace(
                 model=model, optimizer=build_optimizer(run_cfg, model), layout=rank,
@@ -191,12 +191,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from distributed import comm
-    from distributed.layout import Layout as RankLayout  # noqa: F401 - imported before groups
+    from distributed.layout import Layout  # noqa: F401 - imported before groups
 
     os.environ["LOG_DIR"] = tempfile.mkdtemp(prefix="bench_memory_logs_")
     cfg = config_of(args)
     comm.init_process(cfg.parallel_order)  # joins the job; each layout makes its groups
-    todo = [Layout(**row) for row in json.loads(Path(args.layouts_file).read_text())]
+    todo = [PlannedLayout(**row) for row in json.loads(Path(args.layouts_file).read_text())]
     for layout in todo:
         mine = measure(cfg, layout, args.iters)
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -213,7 +213,7 @@ def worker(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------- the launcher
 
-def run_job(args: argparse.Namespace, todo: list[Layout]) -> list[dict[str, Any]]:
+def run_job(args: argparse.Namespace, todo: list[PlannedLayout]) -> list[dict[str, Any]]:
     """Every layout of `todo` measured by one torchrun job: rows in the same order."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([asdict(layout) for layout in todo], f)

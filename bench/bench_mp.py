@@ -10,7 +10,7 @@ table should take minutes, not an hour. The table header says which batch was us
 
 For each tp the script starts `torchrun --nproc_per_node tp` on itself (world = tp, so dp = 1
 and every rank sees the whole batch). Each rank joins the job and builds the model as
-train_mp.py does (`Layout.model_parallel`, `training.run.build_model`: the same
+train_mp.py does (`Layout.model_parallel`, `training.run.build_wrapped_model`: the same
 layout-independent initial weights for every tp), Adam and the loss scaler
 (`training.run.build_training`), and times the training step (`training.step.Step`) on one
 random batch kept in memory (the same batch on every rank, so the data loader is not part of
@@ -133,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
     from bench.common import data_paths, find_data
     from distributed import comm
     from distributed.layout import Layout
-    from training.run import build_model, build_training
+    from training.run import build_training, build_wrapped_model
     from training.setup import peak_memory_gb, start_run
     from utils.config import load_config
 
@@ -154,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     ctx = start_run(cfg, layout)
     rss_init = rss_gb()
 
-    model = build_model(cfg, layout)
+    model = build_wrapped_model(cfg, layout)
     run = build_training(cfg, ctx, layout, model)
     model.train()
     shape = (ctx.local_batch_size, cfg.n_in_channels, *cfg.img_size)

@@ -7,7 +7,7 @@ the AFNO's training step on h x w meshes.
 
 For each mesh the script starts `torchrun --nproc_per_node h*w` on itself (dp = 1: every mesh
 holds the whole batch, each rank its tile). Each rank builds the model and run as
-train_mp.py does (`Layout.model_parallel`, `training.run.build_model` and `build_training`:
+train_mp.py does (`Layout.model_parallel`, `training.run.build_wrapped_model` and `build_training`:
 `SpatialLayers` when h x w > 1, the layout-independent initial weights), crops one random
 in-memory batch (the same on every rank) to its tile, and times the training step
 (`training.step.Step`, with the run's loss and the layout's gradient sums) on it.
@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
     from distributed import comm
     from distributed.fft import alltoall_bytes
     from distributed.layout import Layout
-    from training.run import build_model, build_training
+    from training.run import build_training, build_wrapped_model
     from training.setup import peak_memory_gb, start_run
     from training.step import Step
     from utils.config import load_config
@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg, data = find_data(cfg) if comm.get_world_rank() == 0 else (cfg, None)
     cfg = cfg.replace(**comm.broadcast_from_rank0(data_paths(cfg)))
     ctx = start_run(cfg, layout)
-    model = build_model(cfg, layout)
+    model = build_wrapped_model(cfg, layout)
     run = build_training(cfg, ctx, layout, model)  # its loaders read the layout's tile
     step = Step()  # the step train_mp.py runs: the run's loss, the layout's gradient sums
     shape = (ctx.local_batch_size, cfg.n_in_channels, *cfg.img_size)

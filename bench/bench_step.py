@@ -27,7 +27,7 @@ Model FLOP/s are analytic (`networks.training_flops` x samples/s): useful model 
 one's precision line, then the table and the ratio to the first. A block holds fewer than
 `--iters` steps where a setting's steps (an emulated precision's) are too slow for a round
 to fit the budget, so it stays about a minute on every CPU.
-Every setting is started by `training.setup.start_run`, built by `training.run.build_model`
+Every setting is started by `training.setup.start_run`, built by `training.run.build_wrapped_model`
 and `build_training`, and steps with `training.step.Step`, exactly as train.py runs them.
 Without a data set under the config's data_dir (or DATA_DIR) the loader reads a small
 temporary one made by `data.synthetic`.

@@ -10,7 +10,7 @@
 
 The config and every flag of the train scripts (`--tp`, `--cp`, `--h_parallel_size`,
 `--fsdp`, `--activation_checkpointing`, `--amp_mode`, `--local_batch_size`, ...) give the
-job; `--gpus` its size. For each rank role (planning/dry_run.py) the job's own code builds
+job; `--gpus` its size. For each rank role (planning/planned_job.py) the job's own code builds
 the rank's process groups on PyTorch's fake backend, checks them against the rank
 generator, runs one training step on fake tensors with every collective recorded, and the
 memory planner traces its peak; the whole job's groups are checked without building them,
@@ -248,10 +248,10 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     """The config, the job (None for --layouts all without calibration: each layout is its
     own), the time model (calibrated if asked) and the scaling's GPU counts; a UserError
     for anything wrong with them."""
-    from planning.dry_run import Job
     from planning.fake_world import require_collectives_on_fake_tensors
     from planning.layouts import layouts
     from planning.machines import DEFAULT_NETWORK, gpu_named, network_named
+    from planning.planned_job import PlannedJob
     from planning.predict import calibrated
     from planning.published import COMPUTE_FACTOR
     from planning.rates import read_machine_file
@@ -283,10 +283,10 @@ def prepare(args: Any) -> tuple[Any, Any, Any, list[int]]:
     if args.layouts == "all" and not args.measured_samples_per_s:
         require_collectives_on_fake_tensors()
         return cfg, None, model, scaling
-    job = Job(cfg, args.gpus, per_node)
+    job = PlannedJob(cfg, args.gpus, per_node)
     job.check_nodes()
     for n in scaling:
-        Job(cfg.replace(local_batch_size=job.local_batch), n, per_node).check_nodes()
+        PlannedJob(cfg.replace(local_batch_size=job.local_batch), n, per_node).check_nodes()
     # the job's own mistakes first, then what this PyTorch cannot do
     require_collectives_on_fake_tensors()
     if args.measured_samples_per_s:
@@ -334,10 +334,10 @@ def print_header(args: Any, cfg: Any, model: Any, row: dict[str, Any]) -> None:
 
 
 def report_fastest(rows: list[dict[str, Any]]) -> None:
-    from planning.layouts import Layout
+    from planning.layouts import PlannedLayout
 
     def label(r: dict[str, Any]) -> str:
-        return Layout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
+        return PlannedLayout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                            "activation_checkpointing")}).label()
 
     best = next((r for r in rows if r["fastest"]), None)

@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def layout_filter(text: str) -> Callable[[Any], bool] | None:
-    """`--layout`'s key=value pairs as a test of a planning.layouts.Layout (None: all)."""
+    """`--layout`'s key=value pairs as a test of a planning.layouts.PlannedLayout (None: all)."""
     from utils.errors import UserError
 
     if not text:
@@ -98,13 +98,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def terms_table(rows: list[dict[str, Any]]) -> str:
     """Every term beyond the tensors, per layout (GiB), and where each number comes from."""
-    from planning.layouts import Layout
+    from planning.layouts import PlannedLayout
     from planning.memory_terms import NAMES, SOURCES
 
     lines = ["| layout | " + " | ".join(NAMES) + " | sum |",
              "|---|" + "---:|" * (len(NAMES) + 1)]
     for r in rows:
-        lay = Layout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
+        lay = PlannedLayout(**{k: r[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                           "activation_checkpointing")})
         terms = r["terms_gb"]
         cells = [f"{terms[n]:.2f}" + (f" ({r['communicators']})" if n == "NCCL buffers"
@@ -166,7 +166,7 @@ def published_report(cfg: Any, terms: Any, as_json: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from planning.fake_world import require_collectives_on_fake_tensors
-    from planning.layouts import Layout, layouts, model_summary, plan_all
+    from planning.layouts import PlannedLayout, layouts, model_summary, plan_all
     from planning.memory_terms import MemoryTerms
     from utils.config import read_config
     from utils.errors import UserError
@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nothing fits {args.gpu_memory_gb:g} GB: more GPUs (a smaller local batch, "
               "more ranks to shard over) or a smaller model")
     else:
-        picked = Layout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
+        picked = PlannedLayout(**{k: best[k] for k in ("dp", "tp", "cp", "h", "w", "ens", "fsdp",
                                                 "activation_checkpointing")})
         print(f"fastest that fits (rule: planning/layouts.py): {picked.label()}, "
               f"peak {best['peak_gb']:.1f} GB")

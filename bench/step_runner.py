@@ -1,5 +1,5 @@
 """One benchmark setting: a run started and built exactly as train.py starts and builds it
-(`start_run`, `build_model`, `build_training`), its step (`training.step.Step`), a random
+(`start_run`, `build_wrapped_model`, `build_training`), its step (`training.step.Step`), a random
 batch in memory for the bare step, and what its ceilings, floor and profile need (the eager
 model, the precision it computes in)."""
 
@@ -18,7 +18,7 @@ from bench.floor import ElementwiseFloor
 from bench.time_split import LOADER_RANGE, LOSS_RANGE, Split, profile_split
 from distributed.layout import Layout
 from training import compiling
-from training.run import build_model, build_training
+from training.run import build_training, build_wrapped_model
 from training.setup import start_run
 from training.step import Step
 from utils.config_schema import Config
@@ -38,7 +38,7 @@ class StepRunner:
         self.device = self.layout.device
         self.step = step or Step()
         self.ctx = start_run(cfg, self.layout, announce=False)  # the report is the bench's
-        model = build_model(cfg, self.layout)  # the layout's layers; DDP; torch.compile
+        model = build_wrapped_model(cfg, self.layout)  # the layout's layers; DDP; torch.compile
         self.run = build_training(cfg, self.ctx, self.layout, model,
                                   capturable=self.step.capturable)
         self.step.prepare(self.run)

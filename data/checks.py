@@ -17,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from data.synthetic import CHANNEL_NAMES
+from data.era5_names import CHANNEL_NAMES
 from utils.errors import DataError
 
 log = logging.getLogger(__name__)

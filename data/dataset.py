@@ -25,8 +25,9 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from data.batch_read import read_batch
-from data.checks import FieldsReader, check_dtypes, check_stats
-from data.grid import Grid, agree, crop_to, load_stats_grid, read_file_grid
+from data.checks import FieldsReader, check_dtypes
+from data.grid import Grid, agree, crop_to, read_file_grid
+from data.statistics import load_stats, load_stds, stats_grid
 from utils.config_schema import Config
 from utils.errors import DataError
 from utils.tile import Tile
@@ -41,47 +42,6 @@ def list_year_files(path: str) -> list[str]:
     if not files:
         raise DataError(f"no .h5 files in {path}")
     return files
-
-
-def load_stats(path: str, channels: int, name: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise DataError(f"statistics file {path} not found")
-    try:
-        stats = np.load(path)
-    except (OSError, ValueError) as e:  # not an .npy file, truncated, a pickle
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{name} {path} is not a readable .npy file ({first})") from None
-    if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
-        raise DataError(f"{name} {path} has shape {stats.shape}, "
-                        f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
-    return check_stats(stats[:, :channels], path, name)
-
-
-def stats_grid(cfg: Config) -> Grid:
-    """The data set's grid as recorded beside its statistics (stats/latitude.npy,
-    longitude.npy), or assumed from the shape of time_means.npy."""
-    path = cfg.time_means_path
-    if not os.path.isfile(path):
-        raise DataError(f"statistics file {path} not found")
-    try:
-        shape = np.load(path, mmap_mode="r").shape
-    except (OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"time means {path} is not a readable .npy file ({first})") from None
-    if len(shape) != 4:
-        raise DataError(f"time means {path} has shape {shape}, expected (1, C, H, W)")
-    return load_stats_grid(os.path.dirname(path), shape[2:])
-
-
-def score_grid(cfg: Config) -> Grid:
-    """The grid the config reads and scores: the data set's, cropped to `img_size`."""
-    return crop_to(stats_grid(cfg), cfg.img_size, os.path.dirname(cfg.time_means_path))
-
-
-def load_stds(path: str, channels: int) -> np.ndarray:
-    """The global standard deviations: `load_stats`, and every one > 0."""
-    return check_stats(load_stats(path, channels, "global stds"), path, "global stds",
-                       positive=True)
 
 
 class ERA5Dataset(Dataset):

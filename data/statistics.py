@@ -1,4 +1,6 @@
-"""Statistics of the training years from partial sums that merge exactly.
+"""Statistics of the training years: written from partial sums that merge exactly, and
+read back checked (`load_stats`, `load_stds`, `stats_grid`, `score_grid`: the loaders
+normalise with them, the scores weight and compare with them).
 
 Each year (each worker, each SLURM array task) accumulates its own `PartialSums` while it
 writes, batch by batch; the stats/ files are computed from the merge of all training years'
@@ -30,9 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from data.checks import check_stats
 from data.climatology import TERMS, basis, save_climatology, save_npz
 from data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
-from data.grid import Grid, save_stats_grid
+from data.grid import Grid, crop_to, load_stats_grid, save_stats_grid
+from utils.config_schema import Config
+from utils.errors import DataError
 
 
 def derived_names(channels: int) -> tuple[str, ...]:
@@ -172,3 +177,46 @@ def write_stats(stats_dir: str | os.PathLike, sums: PartialSums, grid: Grid,
     save_stats_grid(out, grid)
     return [out / f"{n}" for n in ("global_means.npy", "global_stds.npy", "time_means.npy",
                                   "climatology.npz", "latitude.npy", "longitude.npy")]
+
+
+# ----------------------------------------------------------------- reading them back
+
+def _read_npy(path: str, name: str, mmap_mode: str | None = None) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise DataError(f"statistics file {path} not found")
+    try:
+        return np.load(path, mmap_mode=mmap_mode)
+    except (OSError, ValueError) as e:  # not an .npy file, truncated, a pickle
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{name} {path} is not a readable .npy file ({first})") from None
+
+
+def load_stats(path: str, channels: int, name: str) -> np.ndarray:
+    """The first `channels` of a (1, C, 1, 1) or (1, C, H, W) statistics file, every value
+    finite; anything else is a one-line DataError naming the file."""
+    stats = _read_npy(path, name)
+    if stats.ndim != 4 or stats.shape[0] != 1 or stats.shape[1] < channels:
+        raise DataError(f"{name} {path} has shape {stats.shape}, "
+                        f"expected (1, {channels}, 1, 1) or (1, {channels}, H, W)")
+    return check_stats(stats[:, :channels], path, name)
+
+
+def load_stds(path: str, channels: int) -> np.ndarray:
+    """The global standard deviations: `load_stats`, and every one > 0."""
+    return check_stats(load_stats(path, channels, "global stds"), path, "global stds",
+                       positive=True)
+
+
+def stats_grid(cfg: Config) -> Grid:
+    """The data set's grid as recorded beside its statistics (stats/latitude.npy,
+    longitude.npy), or assumed from the shape of time_means.npy."""
+    path = cfg.time_means_path
+    shape = _read_npy(path, "time means", mmap_mode="r").shape
+    if len(shape) != 4:
+        raise DataError(f"time means {path} has shape {shape}, expected (1, C, H, W)")
+    return load_stats_grid(os.path.dirname(path), shape[2:])
+
+
+def score_grid(cfg: Config) -> Grid:
+    """The grid the config reads and scores: the data set's, cropped to `img_size`."""
+    return crop_to(stats_grid(cfg), cfg.img_size, os.path.dirname(cfg.time_means_path))

@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
     (the fused qkv: every rank gets its heads' q, k and v). `seq_group`: the group the
     tokens are split over; gradients are partial sums over it.
     Weights are allocated here, not initialised: the layer factory does that (same numbers
-    as the serial model, `networks.vit.init_weights`).
+    as the serial model, `networks.blocks.init_weights`).
     """
 
     def __init__(self, in_features: int, out_features: int, group_name: str = "tp",

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.dataset import load_stats, load_stds, score_grid
 from data.era5_names import CHANNEL_NAMES
+from data.statistics import load_stats, load_stds, score_grid
 from distributed import comm
 from distributed.layout import Layout
 from evaluation.regions import weights_tensor

@@ -41,18 +41,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from networks.blocks import run_blocks
+from networks.blocks import MLP, PreNormBlock, WholeParameters, init_weights, run_blocks
 from networks.kernels import patch_conv
-from networks.noise import NoiseEmbed, NoiseModulation, modulate
+from networks.noise import NoiseEmbed, NoiseModulation, check_noise, noise_keys
 from networks.spectral import Modes, RealFFT2, kept_modes
-from networks.vit import MLP, check_noise, init_weights, noise_keys
 from utils.config_schema import Config
 
 # `afno_variant`: this repository's AFNO, or FourCastNet's as published (module docstring).
 VARIANTS = ("default", "fourcastnet")
 
 
-class SerialGrid:
+class SerialGrid(WholeParameters):
     """Layer factory for one device: the tile is the whole grid, the FFT is torch's."""
 
     def tile(self, grid: tuple[int, int]) -> tuple[int, int]:
@@ -63,12 +62,6 @@ class SerialGrid:
 
     def annotate(self, model: nn.Module) -> None:
         """Parallel layouts record how each parameter is laid out; nothing to do here."""
-
-    def full_shape(self, param: torch.Tensor) -> list[int]:
-        return list(param.shape)
-
-    def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        return full
 
 
 class SpectralFilter(nn.Module):
@@ -111,10 +104,10 @@ class SpectralFilter(nn.Module):
             return (self.transform.inverse(spec) + u).to(x.dtype)
 
 
-class AFNOBlock(nn.Module):
+class AFNOBlock(PreNormBlock):
     """x + filter(norm1(x)) (the filter adds its own input: the double skip), then a
-    pre-norm channel MLP with its residual. With `cond_dim` (an ensemble member), each
-    norm's output is scaled and shifted by the noise embedding `cond`."""
+    pre-norm channel MLP with its residual; with `cond_dim` (an ensemble member) the norms
+    are modulated by the noise (networks/blocks.py)."""
 
     def __init__(self, dim: int, mlp_ratio: float, filter_: SpectralFilter, cond_dim: int = 0,
                  eps: float = 1e-5):
@@ -125,13 +118,8 @@ class AFNOBlock(nn.Module):
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         self.noise_mod = NoiseModulation(cond_dim, dim) if cond_dim else None
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
-        if cond is None:
-            x = x + self.filter(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
-        scale1, shift1, scale2, shift2 = self.noise_mod(cond)
-        x = x + self.filter(modulate(self.norm1(x), scale1, shift1))
-        return x + self.mlp(modulate(self.norm2(x), scale2, shift2))
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self.filter(x)
 
 
 class AFNONet(nn.Module):

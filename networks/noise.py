@@ -36,6 +36,8 @@ import math
 import torch
 import torch.nn as nn
 
+from utils.config_schema import Config
+
 
 class NoiseEmbed(nn.Module):
     """(..., noise_channels) N(0, 1) noise per token -> (..., embed_dim) embedding."""
@@ -45,7 +47,7 @@ class NoiseEmbed(nn.Module):
         self.fc1 = nn.Linear(noise_channels, embed_dim)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(embed_dim, embed_dim)
-        self.fc1.init_std = 1.0 / math.sqrt(noise_channels)  # read by networks.vit.init_weights
+        self.fc1.init_std = 1.0 / math.sqrt(noise_channels)  # read by networks.blocks.init_weights
         self.fc2.init_std = 1.0 / math.sqrt(embed_dim)
 
     def forward(self, noise: torch.Tensor) -> torch.Tensor:
@@ -59,15 +61,37 @@ class NoiseModulation(nn.Module):
     def __init__(self, cond_dim: int, dim: int):
         super().__init__()
         self.linear = nn.Linear(cond_dim, 4 * dim)
-        self.linear.zero_init = True  # read by networks.vit.init_weights
+        self.linear.zero_init = True  # read by networks.blocks.init_weights
 
     def forward(self, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(cond).chunk(4, dim=-1)
 
 
-def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """A norm's output x scaled by (1 + scale) and shifted: the identity at scale = shift = 0."""
-    return x * (1.0 + scale) + shift
+def modulate(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None
+             ) -> torch.Tensor:
+    """A norm's output x scaled by (1 + scale) and shifted: the identity at scale = shift = 0,
+    and x itself, untouched, without noise (None)."""
+    return x if scale is None else x * (1.0 + scale) + shift
+
+
+def noise_keys(cfg: Config) -> dict[str, int]:
+    """The noise conditioning of the config's model: none for a deterministic forecast
+    (ensemble_size 1), else `noise_channels` channels embedded `noise_embed_dim` wide."""
+    if cfg.ensemble_size == 1:
+        return {"noise_channels": 0}
+    return {"noise_channels": cfg.noise_channels, "noise_embed_dim": cfg.noise_embed_dim}
+
+
+def check_noise(noise: torch.Tensor | None, channels: int, tiles: tuple[int, int]) -> None:
+    """A model conditioned on `channels` noise channels (0: none) takes noise of
+    (B, channels, *tiles), tokens on its grid or tile; a deterministic model takes none."""
+    if channels == 0 and noise is not None:
+        raise ValueError("a deterministic model (noise_channels 0) takes no noise")
+    if channels and noise is None:
+        raise ValueError("an ensemble member needs its noise (networks/ensemble.py draws it)")
+    if noise is not None and (noise.dim() != 4 or tuple(noise.shape[1:]) != (channels, *tiles)):
+        raise ValueError(f"noise of shape {tuple(noise.shape)}, expected (B, {channels}, "
+                         f"{tiles[0]}, {tiles[1]}): noise channels on the token grid")
 
 
 def is_noise_parameter(name: str) -> bool:

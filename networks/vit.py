@@ -10,16 +10,14 @@ the token grid, which scales and shifts the norms of every block (networks/noise
 
 from __future__ import annotations
 
-import math
-import zlib
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from networks.blocks import run_blocks
+from networks.blocks import MLP, PreNormBlock, WholeParameters, init_weights, run_blocks
 from networks.kernels import attention, patch_conv
-from networks.noise import NoiseEmbed, NoiseModulation, modulate
+from networks.noise import NoiseEmbed, NoiseModulation, check_noise, noise_keys
 from utils.config_schema import Config
 
 
@@ -61,19 +59,7 @@ class Attention(nn.Module):
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
-
-
-class SerialLayers:
+class SerialLayers(WholeParameters):
     """Layer factory for one device. `distributed.layers.DistributedLayers` is the parallel
     one: train_mp.py passes it to the model, which is otherwise the same code."""
 
@@ -103,18 +89,10 @@ class SerialLayers:
     def replicated(self, *parts: Any) -> None:
         """Marks parameters every rank holds whole and applies to all tokens (no-op here)."""
 
-    # Initialisation draws every parameter's full serial tensor and keeps this rank's part.
-    def full_shape(self, param: torch.Tensor) -> list[int]:
-        return list(param.shape)
 
-    def local_part(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        return full
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). With
-    `cond_dim` (an ensemble member), each norm's output is scaled and shifted by the noise
-    embedding `cond` (networks/noise.py)."""
+class Block(PreNormBlock):
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)); with
+    `cond_dim` (an ensemble member) the norms are modulated by the noise (networks/blocks.py)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float, layers: Any,
                  cond_dim: int = 0):
@@ -125,13 +103,8 @@ class Block(nn.Module):
         self.mlp = layers.mlp(dim, int(dim * mlp_ratio), dropout)
         self.noise_mod = layers.noise_modulation(cond_dim, dim) if cond_dim else None
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
-        if cond is None:
-            x = x + self.attn(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
-        scale1, shift1, scale2, shift2 = self.noise_mod(cond)
-        x = x + self.attn(modulate(self.norm1(x), scale1, shift1))
-        return x + self.mlp(modulate(self.norm2(x), scale2, shift2))
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
 
 
 class VisionTransformer(nn.Module):
@@ -204,53 +177,6 @@ class VisionTransformer(nn.Module):
         return self.unpatchify(self.head(self.forward_tokens(x, noise)))
 
 
-def check_noise(noise: torch.Tensor | None, channels: int, tiles: tuple[int, int]) -> None:
-    """A model conditioned on `channels` noise channels (0: none) takes noise of
-    (B, channels, *tiles), tokens on its grid or tile; a deterministic model takes none."""
-    if channels == 0 and noise is not None:
-        raise ValueError("a deterministic model (noise_channels 0) takes no noise")
-    if channels and noise is None:
-        raise ValueError("an ensemble member needs its noise (networks/ensemble.py draws it)")
-    if noise is not None and (noise.dim() != 4 or tuple(noise.shape[1:]) != (channels, *tiles)):
-        raise ValueError(f"noise of shape {tuple(noise.shape)}, expected (B, {channels}, "
-                         f"{tiles[0]}, {tiles[1]}): noise channels on the token grid")
-
-
-def init_weights(model: nn.Module, seed: int = 0, layers: Any = None) -> None:
-    """Initialise every parameter from its own generator, seeded by (seed, name).
-
-    The numbers then do not depend on the parallel layout: a sharded parameter draws its
-    full serial tensor (one parameter at a time, so memory stays small) and keeps its
-    part (`layers.full_shape` / `layers.local_part`), so train_mp.py with any tp/cp starts
-    from exactly the weights train.py uses.
-    Weights ~ N(0, 0.02) truncated at 2 std (a layer that sets `init_std`: that std), biases
-    0, LayerNorm scales 1; a layer that sets `zero_init` is all zeros (networks/noise.py).
-    """
-    layers = layers or SerialLayers()
-    for module_name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            name = f"{module_name}.{pname}" if module_name else pname
-            shape = layers.full_shape(p)
-            if isinstance(module, nn.LayerNorm):
-                full = torch.ones(shape) if pname == "weight" else torch.zeros(shape)
-            elif pname == "bias" or getattr(module, "zero_init", False):
-                full = torch.zeros(shape)
-            else:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = _truncated_normal(shape, std=getattr(module, "init_std", 0.02),
-                                         generator=gen)
-            with torch.no_grad():
-                p.copy_(layers.local_part(full, p))
-
-
-def _truncated_normal(shape: list[int], std: float, generator: torch.Generator) -> torch.Tensor:
-    """N(0, std) truncated at +-2 std by inverting the CDF of a uniform draw: one pass,
-    no rejection loop, so initialising a large model takes well under a second."""
-    lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))
-    u = torch.empty(shape).uniform_(lo, 1.0 - lo, generator=generator)
-    return torch.erfinv(2.0 * u - 1.0).mul_(math.sqrt(2.0) * std)
-
-
 def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,
                      out_chans: int, num_tokens: int, mlp_ratio: float = 4.0) -> int:
     """Closed-form parameter count of `VisionTransformer` (checked against the module in tests)."""
@@ -299,10 +225,3 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
         **noise_keys(cfg),
     )
 
-
-def noise_keys(cfg: Config) -> dict[str, int]:
-    """The noise conditioning of the config's model: none for a deterministic forecast
-    (ensemble_size 1), else `noise_channels` channels embedded `noise_embed_dim` wide."""
-    if cfg.ensemble_size == 1:
-        return {"noise_channels": 0}
-    return {"noise_channels": cfg.noise_channels, "noise_embed_dim": cfg.noise_embed_dim}

@@ -10,7 +10,7 @@
   planning/step_trace.py   this rank's step on fake tensors: its compute and collectives
   planning/machines.py     GPUs and networks: their peak rates
   planning/time_model.py   the step's seconds: compute, and each axis's exposed collectives
-  planning/dry_run.py      the job of N ranks built, checked and stepped, rank role by role
+  planning/planned_job.py  the job of N ranks built, checked and stepped, rank role by role
   planning/predict.py      the dry run's rows: rank roles, layouts, weak scaling
                            (`python -m bench.dry_run` prints them)
 """

@@ -42,7 +42,7 @@ from typing import Any, get_args
 import torch
 
 from distributed import comm
-from distributed.layout import Layout as RankLayout
+from distributed.layout import Layout
 from planning.fake_world import fake_world
 from planning.memory import GIB, Estimate, trace_layout
 from planning.memory_terms import MemoryTerms, Workload, beyond_tensors, communicators, usable_gib
@@ -53,7 +53,7 @@ from utils.parallel_axes import AXES, config_sizes, mp_ens_size
 
 
 @dataclass(frozen=True)
-class Layout:
+class PlannedLayout:
     """One way to run the config: the axes' sizes, how dp holds the model, recompute."""
 
     dp: int
@@ -76,7 +76,7 @@ class Layout:
                 "fsdp": self.fsdp, "activation_checkpointing": self.activation_checkpointing}
 
     @classmethod
-    def of(cls, cfg: Config, gpus: int) -> Layout:
+    def of(cls, cfg: Config, gpus: int) -> PlannedLayout:
         """The layout `cfg` runs in on `gpus` ranks."""
         per_dp_rank = mp_ens_size(config_sizes(cfg))
         return cls(gpus // per_dp_rank, cfg.tp, cfg.cp, cfg.h_parallel_size,
@@ -99,7 +99,7 @@ def recompute_choices() -> tuple[str, ...]:
     return choices if choices and isinstance(choices[0], str) else get_args(choices[0])
 
 
-def layouts(cfg: Config, gpus: int) -> list[Layout]:
+def layouts(cfg: Config, gpus: int) -> list[PlannedLayout]:
     """Every layout `cfg` can run in on `gpus` ranks: splits the schema accepts (it checks
     the sizes against the model), dp dividing the global batch, FSDP when dp > 1."""
     axes = [a for a in AXES if a.key is not None]
@@ -118,12 +118,12 @@ def layouts(cfg: Config, gpus: int) -> list[Layout]:
         named = dict(zip((a.name for a in axes), sizes, strict=True))
         for fsdp in (False, True) if dp > 1 else (False,):
             for ac in recompute_choices():
-                found.append(Layout(dp, fsdp=fsdp, activation_checkpointing=ac, **named))
+                found.append(PlannedLayout(dp, fsdp=fsdp, activation_checkpointing=ac, **named))
     return sorted(found, key=lambda lay: (lay.model_parallel, lay.tp, lay.cp, lay.h, lay.w,
                                           lay.ens, lay.fsdp, lay.activation_checkpointing))
 
 
-def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str,
+def memory_row(cfg: Config, rank: Layout, local_batch: int, device_type: str,
                terms: MemoryTerms | None = None) -> dict[str, Any]:
     """This rank's estimate (its process groups exist) as a row of GB: every part, on a GPU
     every term beyond the tensors (`terms_gb`, planning/memory_terms.py) and what the
@@ -148,12 +148,12 @@ def memory_row(cfg: Config, rank: RankLayout, local_batch: int, device_type: str
             "peak_gb": tensors + sum(terms_gb.values()), "communicators": len(comms)}
 
 
-def plan(cfg: Config, layout: Layout, device_type: str, terms: MemoryTerms | None = None
+def plan(cfg: Config, layout: PlannedLayout, device_type: str, terms: MemoryTerms | None = None
          ) -> dict[str, Any]:
     """One layout's row, traced as rank 0 of the fake world this process is in."""
     run_cfg = cfg.replace(**layout.flags())
     comm.init(run_cfg.parallel_order, **config_sizes(run_cfg))
-    rank = RankLayout.of_groups(run_cfg, None, torch.device("cpu"))
+    rank = Layout.of_groups(run_cfg, None, torch.device("cpu"))
     local_batch, _ = batch_sizes(run_cfg, layout.dp)
     return {**asdict(layout), "amp_mode": cfg.amp_mode, "local_batch": local_batch,
             **memory_row(run_cfg, rank, local_batch, device_type, terms)}
@@ -168,7 +168,7 @@ def fastest_key(row: dict[str, Any], gpus_per_node: int) -> tuple:
 
 def plan_all(cfg: Config, gpus: int, gpu_memory_gb: float, gpus_per_node: int,
              device_type: str, terms: MemoryTerms | None = None,
-             only: Callable[[Layout], bool] | None = None) -> list[dict[str, Any]]:
+             only: Callable[[PlannedLayout], bool] | None = None) -> list[dict[str, Any]]:
     """Every layout's row (`plan`; `only`: the layouts it accepts) on a fake world of `gpus`
     ranks, with `fits` (on a GPU: within what CUDA reports of `gpu_memory_gb` as sold) and,
     on the fastest that fits, `fastest`."""

@@ -2,7 +2,7 @@
 layout's weak scaling over GPU counts (`python -m bench.dry_run` prints them).
 
     model = TimeModel(gpu, network)                             # planning/rates.py's rates
-    rows = job_rows(Job(cfg, 1024, 4), model)                  # one row per rank role
+    rows = job_rows(PlannedJob(cfg, 1024, 4), model)           # one row per rank role
     rows = layout_rows(cfg, 16, 4, model)                      # one row per layout (rank 0)
     rows = scaling_rows(cfg, [4, 16, 64, 256, 1024], 4, model) # the same local batch
 
@@ -22,15 +22,15 @@ from dataclasses import asdict
 from typing import Any
 
 import networks
-from planning.dry_run import Job, Role
 from planning.layouts import fastest_key, layouts
 from planning.memory_terms import usable_gib
+from planning.planned_job import PlannedJob, Role
 from planning.scaling_terms import input_bound_step, weak_scaling_step
 from planning.time_model import TimeModel
 from utils.config_schema import Config
 
 
-def role_row(job: Job, role: Role, model: TimeModel) -> dict[str, Any]:
+def role_row(job: PlannedJob, role: Role, model: TimeModel) -> dict[str, Any]:
     """One rank role's row (module docstring); `samples_per_s` as if this role were the
     slowest (`job_rows` sets the job's)."""
     split = model.step(role.trace.events, job.axis_of, job.kind_of(role))
@@ -56,11 +56,11 @@ def role_row(job: Job, role: Role, model: TimeModel) -> dict[str, Any]:
         "wall_s": role.wall_s}
 
 
-def job_rows(job: Job, model: TimeModel, ranks: list[int] | None = None,
+def job_rows(job: PlannedJob, model: TimeModel, ranks: list[int] | None = None,
              memory: bool = True) -> list[dict[str, Any]]:
-    """A row per rank role (`Job.roles`, or `ranks`); every row's `samples_per_s` is the
+    """A row per rank role (`PlannedJob.roles`, or `ranks`); every row's `samples_per_s` is the
     job's: the global batch over the slowest role's step; `groups_ok` also says the whole
-    job's groups passed `Job.partition_problems` (`job_problems`)."""
+    job's groups passed `PlannedJob.partition_problems` (`job_problems`)."""
     rows = [role_row(job, job.role(r, memory), model) for r in (ranks or job.roles())]
     slowest = max(r["step_s"] for r in rows)
     problems = job.partition_problems()  # the whole job's groups, checked once
@@ -78,7 +78,7 @@ def layout_rows(cfg: Config, gpus: int, gpus_per_node: int, model: TimeModel
     samples/s, `planner_pick` on the memory planner's rule's choice."""
     rows = []
     for layout in layouts(cfg, gpus):
-        job = Job(cfg.replace(**layout.flags()), gpus, gpus_per_node, "cuda")
+        job = PlannedJob(cfg.replace(**layout.flags()), gpus, gpus_per_node, "cuda")
         [row] = job_rows(job, model, ranks=[0])
         tp_groups = job.generator.get_ranks("tp")
         row["tp_crosses_nodes"] = any(
@@ -104,7 +104,7 @@ def scaling_rows(cfg: Config, gpu_counts: list[int], gpus_per_node: int, model: 
     fixed = cfg.replace(local_batch_size=local_batch)
     rows = []
     for gpus in gpu_counts:
-        job = Job(fixed, gpus, gpus_per_node, "cuda")
+        job = PlannedJob(fixed, gpus, gpus_per_node, "cuda")
         [row] = job_rows(job, model, ranks=[0])
         loaded = input_bound_step(row["step_s"], fixed, local_batch, model.rates)
         high, low = weak_scaling_step(loaded, fixed, local_batch, gpus, gpus_per_node, job.dp)
@@ -123,14 +123,14 @@ def scaling_rows(cfg: Config, gpu_counts: list[int], gpus_per_node: int, model: 
     return rows
 
 
-def calibrated(job: Job, model: TimeModel, samples_per_s: float) -> TimeModel:
+def calibrated(job: PlannedJob, model: TimeModel, samples_per_s: float) -> TimeModel:
     """The time model whose compute factor makes `job` (its first rank role) run at the
     measured `samples_per_s`: the config, flags and GPU count of that one measured run."""
     role = job.role(job.roles()[0], memory=False)
     return calibrated_on(role.trace.events, job, role, model, samples_per_s)
 
 
-def calibrated_on(events: list[Any], job: Job, role: Role, model: TimeModel,
+def calibrated_on(events: list[Any], job: PlannedJob, role: Role, model: TimeModel,
                   samples_per_s: float) -> TimeModel:
     """`calibrated` for a trace already made (`events` of `role` of `job`)."""
     kind = job.kind_of(role)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from planning.dry_run import Job, Role
 from planning.machines import GPUS, NETWORKS
+from planning.planned_job import PlannedJob, Role
 from planning.predict import calibrated_on
 from planning.scaling_terms import input_bound_step
 from planning.time_model import TimeModel
@@ -97,12 +97,12 @@ def config_of(run: PublishedRun) -> Any:
     return read_config(DEFAULT_YAML, run.config, environ={}).replace(**run.flags)
 
 
-def trace_runs(runs: tuple[PublishedRun, ...] = PUBLISHED) -> dict[tuple, tuple[Job, Role]]:
+def trace_runs(runs: tuple[PublishedRun, ...] = PUBLISHED) -> dict[tuple, tuple[PlannedJob, Role]]:
     """One dry-run trace (rank 0) per distinct step of `runs`."""
-    traces: dict[tuple, tuple[Job, Role]] = {}
+    traces: dict[tuple, tuple[PlannedJob, Role]] = {}
     for run in runs:
         if run.trace_key() not in traces:
-            job = Job(config_of(run), run.gpus, NETWORKS["perlmutter"].gpus_per_node)
+            job = PlannedJob(config_of(run), run.gpus, NETWORKS["perlmutter"].gpus_per_node)
             traces[run.trace_key()] = job, job.role(0, memory=False)
     return traces
 
@@ -116,14 +116,14 @@ def model_for(run: PublishedRun, model: TimeModel) -> TimeModel:
 
 
 def predicted_samples_per_s(run: PublishedRun, model: TimeModel,
-                            traces: dict[tuple, tuple[Job, Role]]) -> float:
+                            traces: dict[tuple, tuple[PlannedJob, Role]]) -> float:
     job, role = traces[run.trace_key()]
     split = model_for(run, model).step(role.trace.events, job.axis_of, job.kind_of(role))
     step = input_bound_step(split.step_s, config_of(run), job.local_batch, model.rates)
     return job.global_batch / step
 
 
-def calibrated_model(model: TimeModel, traces: dict[tuple, tuple[Job, Role]],
+def calibrated_model(model: TimeModel, traces: dict[tuple, tuple[PlannedJob, Role]],
                      key: str = CALIBRATED_ON) -> TimeModel:
     """`model` with the compute factor that reproduces the published run `key` (the middle
     of its range); the run's loader must not bound it."""
@@ -142,7 +142,7 @@ def error(predicted: float, published: tuple[float, float]) -> float:
     return (predicted - nearest) / nearest
 
 
-def comparison(model: TimeModel, traces: dict[tuple, tuple[Job, Role]],
+def comparison(model: TimeModel, traces: dict[tuple, tuple[PlannedJob, Role]],
                runs: tuple[PublishedRun, ...] = PUBLISHED) -> list[dict[str, Any]]:
     """A row per published run: the published range, the prediction, the error."""
     rows = []

@@ -1,5 +1,5 @@
 """Every CDS download as it arrives (tests/cds_forms.py), and relative humidity in both
-definitions (data/humidity.py), prepared as a user prepares them (data/prepare_era5.py's
+definitions (data/humidity.py), prepared as a user prepares them (era5/prepare.py's
 `main`, in this process):
 
   - a zip of two NetCDF files saved as `.nc`, old-CDS per-level files without a level
@@ -25,9 +25,9 @@ import xarray as xr
 from cds_forms import OROGRAPHY, cds_download, expected_fields
 from era5_stores import EPOCH, arco_zarr, cds_netcdf, known, specific_humidity, wb2_zarr
 
-from data import prepare_era5
 from data.era5_names import CHANNEL_NAMES
 from data.humidity import relative_humidity, saturation_vapour_pressure_over_water
+from era5 import prepare as era5_prepare
 from utils.errors import DataError
 
 YEAR = ["--train_years", "2016", "--max_samples", "8"]
@@ -35,7 +35,7 @@ R500, R850 = CHANNEL_NAMES.index("r500"), CHANNEL_NAMES.index("r850")
 
 
 def prepare(source, out, *flags: str) -> None:
-    prepare_era5.main([str(source), str(out), *flags])
+    era5_prepare.main([str(source), str(out), *flags])
 
 
 def year_file(out):

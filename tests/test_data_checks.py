@@ -14,8 +14,8 @@ import torch
 from bad_data import copy_data, damage_chunk, rewrite, set_value
 
 from data.checks import BatchScan, check_stats
-from data.dataset import load_stats, load_stds
 from data.loader import get_data_loader, get_loader
+from data.statistics import load_stats, load_stds
 from utils.errors import DataError, from_worker, message_of
 
 

@@ -24,7 +24,8 @@ from distributed.layers import (
     RowParallelLinear,
     TokenSplit,
 )
-from networks.vit import MLP, Attention
+from networks.blocks import MLP
+from networks.vit import Attention
 
 RTOL = 1e-5
 DIM, HEADS, HIDDEN, BATCH = 16, 4, 32, 2

@@ -38,8 +38,8 @@ from distributed.fsdp import shard_dim
 from distributed.layout import Layout
 from networks import build_model
 from planning.collectives import CollectiveRecorder, counted
-from planning.dry_run import Job
 from planning.fake_world import _Chunks, fake_world, runs_collectives_on_fake_tensors
+from planning.planned_job import PlannedJob
 from planning.step_trace import Phases, batch, fake_model, step_run
 from training.run import build_optimizer, wrap_model
 from training.setup import batch_sizes
@@ -100,7 +100,7 @@ def _real_steps() -> dict:
 def test_the_dry_run_counts_the_collectives_of_real_jobs_exactly() -> None:
     real = run_distributed(_real_steps, RANKS, timeout=300)
     for name, recompute in CASES:
-        job = Job(_config(name, recompute), RANKS, gpus_per_node=RANKS, device_type="cpu")
+        job = PlannedJob(_config(name, recompute), RANKS, gpus_per_node=RANKS, device_type="cpu")
         for rank in range(RANKS):  # every rank, not only the roles a dry run builds
             dry = counted(job.role(rank, memory=False).trace.collectives)
             assert dry == real[rank][name, recompute] and dry, (name, recompute, rank)
@@ -117,7 +117,7 @@ def test_the_dry_run_counts_the_collectives_of_real_jobs_exactly() -> None:
 @FAKE_STEPS
 def test_a_job_of_1024_ranks_has_the_groups_the_rank_generator_says() -> None:
     cfg = read_config(CONFIG_FILE, "tiny", environ={}).replace(tp=4, local_batch_size=1)
-    job = Job(cfg, 1024, gpus_per_node=4, device_type="cpu")
+    job = PlannedJob(cfg, 1024, gpus_per_node=4, device_type="cpu")
     job.check_nodes()
     assert job.partition_problems() == []
     assert job.roles() == [0, 1, 2, 3, 1020, 1023]  # every tp position, both dp ends
@@ -137,9 +137,9 @@ def test_a_job_of_1024_ranks_has_the_groups_the_rank_generator_says() -> None:
 def test_bad_jobs_are_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
     cfg = read_config(CONFIG_FILE, "tiny", environ={})
     with pytest.raises(UserError, match=r"--gpus 6 is not divisible by .* = 4 x 1 x 1 x 1"):
-        Job(cfg.replace(tp=4), 6, 4)
+        PlannedJob(cfg.replace(tp=4), 6, 4)
     with pytest.raises(UserError, match=r"--gpus_per_node 2 splits the tp group \[0, 1, 2, 3\]"):
-        Job(cfg.replace(tp=4), 8, 2).check_nodes()
+        PlannedJob(cfg.replace(tp=4), 8, 2).check_nodes()
     for argv, words in ((["--gpus", "6", "--tp", "4"], "--gpus 6 is not divisible"),
                         (["--gpus", "8", "--tp", "4", "--gpus_per_node", "2"],
                          "--gpus_per_node 2 splits the tp group"),

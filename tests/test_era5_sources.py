@@ -1,4 +1,4 @@
-"""Reading the public ERA5 layouts as they are (data/era5_source.py, data/source_files.py,
+"""Reading the public ERA5 layouts as they are (era5/source.py, era5/source_files.py,
 data/humidity.py), on small stores made here (tests/era5_stores.py), without a network:
 
   - relative humidity with the IFS formula (mixed phase) against hand-computed values, and
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from era5_stores import arco_zarr, cds_netcdf, known, poke, wb2_zarr
 
-from data import prepare_era5
 from data.era5_names import CHANNEL_NAMES, CHANNELS
-from data.era5_source import Source
 from data.humidity import relative_humidity, saturation_vapour_pressure
+from era5 import prepare as era5_prepare
+from era5.source import Source
 from utils.errors import DataError
 
 R500 = CHANNEL_NAMES.index("r500")
@@ -36,7 +36,7 @@ WB2_LEVELS = [50, 100, 500, 700, 850, 925, 1000]  # the levels of the tests' Wea
 
 
 def prepare(source, out, *flags: str) -> None:
-    prepare_era5.main([str(source), str(out), *flags])
+    era5_prepare.main([str(source), str(out), *flags])
 
 
 def fields_of(path):

@@ -1,6 +1,7 @@
 """The import layers hold: planning > training > evaluation > distributed > networks > data >
-utils, no module imports a script, benchmark or tool, and the networks read no process groups
-(import-linter contracts in pyproject.toml)."""
+utils, no module imports a script, benchmark, tool or the offline ERA5 preparation (era5/,
+which imports only data and utils), and the networks read no process groups (import-linter
+contracts in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_the_tree_keeps_every_import_contract() -> None:
 
 def test_a_utils_module_importing_a_model_breaks_the_contract(tmp_path: Path) -> None:
     """The check has teeth: the same contracts on a copy of the tree with one bad import."""
-    for name in ("pyproject.toml", "utils", "data", "networks", "distributed", "evaluation",
+    for name in ("pyproject.toml", "utils", "data", "era5", "networks", "distributed", "evaluation",
                  "training", "planning", "bench", "tools"):
         src = REPO / name
         if src.is_dir():
@@ -39,7 +40,10 @@ def test_a_utils_module_importing_a_model_breaks_the_contract(tmp_path: Path) ->
     (tmp_path / "utils" / "bad.py").write_text("from networks.vit import VisionTransformer\n")
     # a run asking the planner, which builds runs: upward too
     (tmp_path / "training" / "bad.py").write_text("from planning.layouts import layouts\n")
+    # the data pipeline reaching into the offline preparation
+    (tmp_path / "data" / "bad.py").write_text("from era5.writer import prepare_year\n")
     proc = lint_imports(tmp_path)
     assert proc.returncode != 0
     assert "utils.bad -> networks.vit" in proc.stdout, proc.stdout[-3000:]
     assert "training.bad -> planning.layouts" in proc.stdout, proc.stdout[-3000:]
+    assert "data.bad -> era5.writer" in proc.stdout, proc.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""data/prepare_era5.py on ERA5 sources made here in the public layouts
+"""era5/prepare.py on ERA5 sources made here in the public layouts
 (tests/era5_stores.py): WeatherBench-2 / ARCO-ERA5 Zarr stores and CDS NetCDF files, run
 as a user runs it (its `main`, in this process; the CLI itself in the e2e tests).
 
@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from era5_stores import arco_zarr, cds_netcdf, grid, known, wb2_zarr
 
-from data import prepare_era5
 from data.climatology import basis
 from data.era5_names import CHANNEL_NAMES
 from data.statistics import PartialSums
+from era5 import prepare as era5_prepare
 from utils.errors import DataError
 
 
 def prepare(source, out, *flags: str) -> None:
-    prepare_era5.main([str(source), str(out), *flags])
+    era5_prepare.main([str(source), str(out), *flags])
 
 
 def read(path):

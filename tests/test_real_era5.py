@@ -28,7 +28,7 @@ TIMEOUT = 300
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "data.prepare_era5", *args]
+    cmd = [sys.executable, "-m", "era5.prepare", *args]
     return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)
 
@@ -79,8 +79,9 @@ def test_array_tasks_then_a_merge_make_the_same_files(store, prepared, tmp_path)
 
 
 @pytest.mark.e2e
-def test_the_old_command_runs_the_preparation(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "utils.data.prepare_era5", str(tmp_path / "x"),
+@pytest.mark.parametrize("command", ["data.prepare_era5", "utils.data.prepare_era5"])
+def test_the_older_commands_run_the_preparation(tmp_path, command):
+    run = subprocess.run([sys.executable, "-m", command, str(tmp_path / "x"),
                           str(tmp_path / "out"), "--train_years", "2016"], cwd=REPO,
                          env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 2 and run.stderr.strip() == \

@@ -1,7 +1,7 @@
 """Model parallelism end to end: train_mp.py with tp / cp is the same training as train.py.
 
 Why the curves agree: the model parallel ViT initialises every parameter from (seed, name)
-and keeps its shard (networks.vit.init_weights), so every layout starts from train.py's
+and keeps its shard (networks.blocks.init_weights), so every layout starts from train.py's
 weights; with dp = 1 each rank reads the whole global batch, as train.py does. What differs is
 where the additions of a matmul or an attention sum happen: split over ranks and combined by
 an all-reduce / all-gather. In fp32 that changes the last bits (~1e-7 relative per step).

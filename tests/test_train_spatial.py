@@ -3,7 +3,7 @@ reads, trains on and scores its tile of the grid) exactly as train.py trains it 
 process, and its checkpoints resume on one process.
 
 Why the curves agree: the spatial model initialises every parameter to the serial model's
-numbers (networks.vit.init_weights keeps each rank's part), every rank of a mesh reads the
+numbers (networks.blocks.init_weights keeps each rank's part), every rank of a mesh reads the
 same samples (data-parallel sharding is over dp only), the loss of tiles is summed over the
 mesh before the ratio of norms is taken, and the replicated parameters' partial gradients
 are summed over h and w. What differs is where sums happen (tiles, all-to-all transposes of

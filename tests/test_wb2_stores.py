@@ -22,10 +22,10 @@ import torch
 from era5_stores import VARIABLES, clim_known, grid, wb2_climatology, wb2_rule, wb2_zarr
 from helpers import CONFIG_FILE
 
-from data import prepare_era5
 from data.era5_names import CHANNEL_NAMES
 from data.forecast import RolloutData
 from data.grid import Grid
+from era5 import prepare as era5_prepare
 from evaluation.forecast_file import create_store, write_forecasts
 from evaluation.inference_flags import batch_for_grid
 from evaluation.references import References
@@ -61,7 +61,7 @@ def saved(request, tmp_path_factory):
     options, flags, shape = GRIDS[request.param]
     root = tmp_path_factory.mktemp("grids")
     source = wb2_zarr(root / "source.zarr", [2017, 2018], days=3, **options)
-    prepare_era5.main([str(source), str(root / "out"), "--train_years", "2017",
+    era5_prepare.main([str(source), str(root / "out"), "--train_years", "2017",
                        "--test_years", "2018", "--max_samples", "12", *flags])
     cfg = config(root / "out", shape)
     data = RolloutData(cfg, cfg.inf_data_path)
@@ -116,7 +116,7 @@ def test_a_rollout_from_late_december_reads_its_truth_from_the_next_year(tmp_pat
     source = wb2_zarr(tmp_path / "wb2.zarr", [2015, 2016, 2017], rows=3, cols=4,
                       chunk_time=1464)
     out = tmp_path / "out"
-    prepare_era5.main([str(source), str(out), "--train_years", "2015", "--test_years",
+    era5_prepare.main([str(source), str(out), "--train_years", "2015", "--test_years",
                        "2016-2017", "--batch_size", "512"])
     cfg = config(out, (3, 4))
     data = RolloutData(cfg, cfg.inf_data_path)
@@ -143,7 +143,7 @@ def test_a_rollout_from_late_december_reads_its_truth_from_the_next_year(tmp_pat
 def prepared_with_poles(tmp_path_factory):
     root = tmp_path_factory.mktemp("clim")
     source = wb2_zarr(root / "source.zarr", [2017, 2018], rows=9, cols=16, days=3)
-    prepare_era5.main([str(source), str(root / "out"), "--train_years", "2017",
+    era5_prepare.main([str(source), str(root / "out"), "--train_years", "2017",
                        "--test_years", "2018", "--max_samples", "12", "--crop_rows", "8"])
     lat, lon = grid(9, 16)
     return root, wb2_climatology(root / "clim.zarr", lat[::-1].copy(), lon)  # ascending
@@ -274,7 +274,7 @@ def test_a_climatology_of_the_other_humidity_definition_is_refused(tmp_path):
     store (its own, over water): one line, naming both and what to do."""
     source = wb2_zarr(tmp_path / "source.zarr", [2017, 2018], rows=9, cols=16, days=3,
                       with_q=True)
-    prepare_era5.main([str(source), str(tmp_path / "out"), "--train_years", "2017",
+    era5_prepare.main([str(source), str(tmp_path / "out"), "--train_years", "2017",
                        "--test_years", "2018", "--max_samples", "12", "--crop_rows", "8",
                        "--rh_definition", "ecmwf"])
     lat, lon = grid(9, 16)

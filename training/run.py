@@ -44,7 +44,7 @@ log = logging.getLogger("train")
 
 # ----------------------------------------------------------------------------- the model
 
-def build_model(cfg: Config, layout: Layout) -> torch.nn.Module:
+def build_wrapped_model(cfg: Config, layout: Layout) -> torch.nn.Module:
     """The config's network with the layout's layers, on the layout's device, wrapped for
     training (`wrap_model`)."""
     model = networks.build_model(cfg, layers=layout.layers).to(layout.device)
@@ -222,7 +222,7 @@ class Training:
 def build_training(cfg: Config, ctx: RunContext, layout: Layout, model: torch.nn.Module,
                    capturable: bool = False) -> Training:
     """Loaders, optimizer, schedule, loss scaling, checkpoints (resumed if asked), profiler
-    and logs for `model` (built by `build_model`). The loaders read this rank's data shard
+    and logs for `model` (built by `build_wrapped_model`). The loaders read this rank's data shard
     (dp) and, on a spatial mesh, only the layout's tile of every field."""
     # SIGUSR1/SIGTERM from here on: a checkpoint at the next step (training/preemption.py).
     # Installed before the data loaders fork their workers, which inherit the handler.

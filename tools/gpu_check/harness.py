@@ -1,6 +1,6 @@
 """What the checks share: a one-rank process group on the device, a small config, and runs made
-of the project's own pieces (the layout, `training.run.build_model`, Adam, the loss, the loss
-scaler and `training.step.Step`), stepped on random batches kept in memory.
+of the project's own pieces (the layout, `training.run.build_wrapped_model`, Adam, the loss,
+the loss scaler and `training.step.Step`), stepped on random batches kept in memory.
 
     join(devices.gpu(0))               # once per process: the one-rank group, as a job has
     cfg = small_config(enable_jit=True)

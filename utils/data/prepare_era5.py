@@ -1,7 +1,7 @@
 """`python -m utils.data.prepare_era5 ...`, the command earlier docs give: the same as
-`python -m data.prepare_era5 ...` (data/prepare_era5.py), which it runs."""
+`python -m era5.prepare ...` (era5/prepare.py), which it runs as the main module."""
 
-from data.prepare_era5 import cli
+import runpy
 
 if __name__ == "__main__":
-    cli()
+    runpy.run_module("era5.prepare", run_name="__main__", alter_sys=True)

@@ -1,4 +1,4 @@
-"""Reading a variable of an ERA5 source a batch of times at a time (data/era5_source.py):
+"""Reading a variable of an ERA5 source a batch of times at a time (era5/source.py):
 its `Piece` (the lazy array of one dataset, read in the store's own dimension order), what a
 read holds in memory, and the `Budget` that bounds the bytes of chunks in flight across the
 read threads.
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from data.source_files import Opened
+from era5.source_files import Opened
 
 # Bytes of chunks in flight at most (a request larger than this runs alone): at 0.25 degrees
 # a batch of 8 times of a pressure-level variable decodes 8 chunks of 54 MB.

@@ -1,8 +1,8 @@
 """The job of N GPUs built, checked, stepped and planned in this one process.
 
-    job = Job(cfg, gpus=1024, gpus_per_node=4)         # the config's layout on 1,024 GPUs
-    job.check_nodes(); job.partition_problems()        # before anything runs
-    report = job.role(rank)                            # one rank, built as the job builds it
+    job = PlannedJob(cfg, gpus=1024, gpus_per_node=4)  # the config's layout on 1,024 GPUs
+    job.check_nodes(); job.partition_problems()         # before anything runs
+    report = job.role(rank)                             # one rank, built as the job builds it
 
 Each rank role runs what the train scripts run, on PyTorch's fake backend
 (planning/fake_world.py): `comm.init` makes its process groups, `Layout.of_groups` decides
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import comm
-from distributed.layout import Layout as RankLayout
+from distributed.layout import Layout
 from distributed.rank_generator import RankGenerator
 from planning.collectives import Collective
 from planning.fake_world import fake_world
@@ -63,7 +63,7 @@ class Role:
         return not self.problems
 
 
-class Job:
+class PlannedJob:
     """The config's layout on `gpus` GPUs, `gpus_per_node` to a node."""
 
     def __init__(self, cfg: Config, gpus: int, gpus_per_node: int, device_type: str = "cuda"):
@@ -151,7 +151,7 @@ class Job:
         with fake_world(self.gpus, rank):
             comm.init(cfg.parallel_order, **config_sizes(cfg))
             problems = group_problems(self.generator, rank)
-            layout = RankLayout.of_groups(cfg, None, torch.device("cpu"))
+            layout = Layout.of_groups(cfg, None, torch.device("cpu"))
             trace = trace_step(cfg, layout, self.local_batch, self.device_type)
             rows = memory_row(cfg, layout, self.local_batch, self.device_type) if memory else {}
             ddp = uses_ddp(cfg, layout)

@@ -1,6 +1,6 @@
 """ERA5 as the public copies hold it, opened lazily: the 20 channels of any 6-hourly time.
 
-Two kinds of source (docs/real_era5.md says where to get them; data/source_files.py opens
+Two kinds of source (docs/real_era5.md says where to get them; era5/source_files.py opens
 them):
 
   - a Zarr store in the WeatherBench-2 / ARCO-ERA5 layout: long variable names
@@ -45,8 +45,8 @@ import numpy as np
 from data.era5_names import CHANNELS, Channel, humidity_scale
 from data.grid import Grid
 from data.humidity import DEFINITIONS, ECMWF, WB2, relative_humidity
-from data.pieces import READ_BYTES, SPAN_BYTES, Budget, Piece, selection
-from data.source_files import EPOCH, HOUR, Opened, coordinate, open_source
+from era5.pieces import READ_BYTES, SPAN_BYTES, Budget, Piece, selection
+from era5.source_files import EPOCH, HOUR, Opened, coordinate, open_source
 from utils.errors import DataError
 
 READ_THREADS = 16  # requests in flight: a remote store's latency hides behind the others
@@ -132,7 +132,7 @@ class Source:
         plane = {"time", "latitude", "longitude"}
         expected = plane | ({"level"} if level is not None else set())
         if level is not None and set(da.dims) == plane and name in o.level_of:
-            # one pressure level without a level dimension (data/source_files.py)
+            # one pressure level without a level dimension (era5/source_files.py)
             self._same_grid(o)
             return (Piece(da, None, o), None) if np.isclose(o.level_of[name], level) else None
         if set(da.dims) != expected:
@@ -221,7 +221,7 @@ class Source:
 
     def _apart_note(self, name: str) -> str:
         """'; era5_single.nc holds a surface 'z', kept apart' for a name that files hold
-        as a surface field (data/source_files.py)."""
+        as a surface field (era5/source_files.py)."""
         files = [o.where for o in self._opened if name in o.apart]
         files = list(dict.fromkeys(files))
         return (f"; {', '.join(files)} hold(s) a surface '{name}', kept apart"

@@ -8,7 +8,7 @@
 
 A year is written to `<year>.h5.partial`, its attribute `complete` set last, and renamed to
 `<year>.h5` only then (a training year's sums are saved before the rename): a file with
-the final name is always whole. A batch is checked (data/era5_source.py: no NaN or
+the final name is always whole. A batch is checked (era5/source.py: no NaN or
 infinity) before it is written; a year that fails leaves no file behind. The attributes of
 `fields` record every channel's name, units and what it was made from (`channel_names`,
 `channel_units`, `channel_sources`), the definition of its relative humidity
@@ -37,10 +37,10 @@ import numpy as np
 
 from data.climatology import sample_times
 from data.era5_names import CHANNEL_NAMES, CHANNELS
-from data.era5_source import READ_THREADS, Source, year_times
 from data.grid import Grid, write_file_grid
-from data.pieces import READ_BYTES
 from data.statistics import PartialSums
+from era5.pieces import READ_BYTES
+from era5.source import READ_THREADS, Source, year_times
 from utils.errors import DataError
 
 _sources: dict[tuple[str, str | None], Source] = {}  # opened once per process
@@ -59,7 +59,7 @@ class Plan:
     batch_size: int = 8
     years: tuple[int, int] = (1900, 2200)  # the first and last year of the preparation
     read_threads: int = READ_THREADS
-    rh_definition: str | None = None  # None: the source's own (data/era5_source.py)
+    rh_definition: str | None = None  # None: the source's own (era5/source.py)
 
     def options(self) -> str:
         """The source and the options that decide a file's content, as one string (an
@@ -209,7 +209,7 @@ def _create_fields(f: h5py.File, plan: Plan, source: Source, split: str, year: i
         "dt_hours": 6, "year": year,
         "split": split, "samples_per_year": len(year_times(year)), "source": plan.source,
         "crop_rows": plan.crop_rows or 0, "coarsen": plan.coarsen,
-        "description": "ERA5, data/prepare_era5.py; row 0 = north"})
+        "description": "ERA5, era5/prepare.py; row 0 = north"})
     return fields
 
 
