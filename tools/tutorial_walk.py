@@ -109,17 +109,23 @@ def run(command: str, copy: Path, log: Path, timeout: float, env: dict[str, str]
         ) -> tuple[str, float]:
     """Run `command` in bash in the copy; (status, seconds). Its output goes to `log`."""
     start = time.monotonic()
+    proc = start_logged(command, copy, log, env)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        return "timeout", time.monotonic() - start
+    return str(code), time.monotonic() - start
+
+
+def start_logged(command: str, copy: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`command` started in bash in the copy, in a process group of its own (`stop` ends
+    all it starts), its output in `log` after the command itself."""
     with open(log, "w") as out:
         out.write(f"$ {command}\n")
         out.flush()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=env,
+        return subprocess.Popen(["bash", "-c", command], cwd=copy, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            return "timeout", time.monotonic() - start
-    return str(code), time.monotonic() - start
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -139,11 +145,7 @@ def serve(command: str, copy: Path, log: Path, env: dict[str, str], wait: float 
           ) -> tuple[str, float, str]:
     """Start a server command (tensorboard), ask for its page, stop it."""
     start = time.monotonic()
-    with open(log, "w") as out:
-        out.write(f"$ {command}\n")
-        out.flush()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=copy, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_logged(command, copy, log, env)
     url = None
     while url is None and time.monotonic() - start < wait and proc.poll() is None:
         time.sleep(1)
