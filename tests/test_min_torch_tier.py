@@ -30,8 +30,7 @@ def test_the_tier_installs_the_pytorch_that_min_torch_names():
 
 def test_ci_runs_the_readmes_tests_then_the_min_torch_tier_then_earth2studio():
     commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
-                if line.startswith("make ") and not line.rstrip().endswith("&")
-                and "&" not in line and ">" not in line]
+                if line.startswith("make ") and "&" not in line]  # not the background installs
     assert commands == ["make venv", "make test", "make test-min-torch",
                         "make test-earth2studio"]
 

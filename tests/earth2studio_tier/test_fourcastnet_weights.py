@@ -47,8 +47,7 @@ def _afno_without_timm() -> type:
     timm, which imports torchvision: PyPI's torchvision is a CUDA build, which does not
     load beside a CPU-only torch (`+cpu`). The AFNO and its layers use neither; here they
     are imported from their own files, the code Earth2Studio's FCN runs, unchanged."""
-    import physicsnemo
-
+    importlib.import_module("physicsnemo")  # the parent of the bare packages below
     nn_package = _bare_package("physicsnemo.nn")
     _bare_package("physicsnemo.nn.module")
     layers = importlib.import_module("physicsnemo.nn.module.afno_layers")
@@ -56,7 +55,6 @@ def _afno_without_timm() -> type:
         setattr(nn_package, name, getattr(layers, name))
     _bare_package("physicsnemo.models")
     _bare_package("physicsnemo.models.afno")
-    assert physicsnemo.__version__
     return importlib.import_module("physicsnemo.models.afno.afno").AFNO
 
 
@@ -66,15 +64,11 @@ def physicsnemo_afno():
     PhysicsNeMo (fails under EARTH2STUDIO_TESTS_REQUIRED)."""
     try:
         from physicsnemo.models.afno import AFNO
-    except ModuleNotFoundError as e:
+    except ImportError as e:  # torchvision missing, or a build of another torch
         if e.name == "physicsnemo":
             need("physicsnemo")
-        for name in [n for n in sys.modules if n.startswith("physicsnemo.")]:
-            del sys.modules[name]  # what the failed import left half made
-        return _afno_without_timm()
-    except ImportError:  # torchvision found, but a build of another torch
         for name in [n for n in sys.modules if n.startswith(("physicsnemo.", "timm"))]:
-            del sys.modules[name]
+            del sys.modules[name]  # what the failed import left half made
         return _afno_without_timm()
     return AFNO
 
