@@ -28,7 +28,7 @@ INITIAL_CONDITIONS, LEADS = 2, 6
 # inference.py and Earth2Studio compute in fp32 with the same kernels; what differs is the
 # batching (inference.py rolls out its initial conditions and members together, Earth2Studio
 # its own batches) and the physical units the workflow carries from step to step (float32
-# rounding of a field's values: ~1e-7 of them). Measured: 3e-6 at most over 6 steps.
+# rounding of a field's values: ~1e-7 of them). docs/earth2studio.md has the measured differences.
 TOLERANCE = 1e-5  # relative (tools/earth2studio/compare.py)
 
 
