@@ -256,10 +256,6 @@ def skill_to_dict(skill: Skill, metadata: dict[str, Any]) -> dict[str, Any]:
             "channels": channels}
 
 
-def write_json(skill: Skill, path: str, metadata: dict[str, Any]) -> None:
-    dump_json(skill_to_dict(skill, metadata), path)
-
-
 def dump_json(scores: dict[str, Any], path: str) -> None:
     """skill.json, from `skill_to_dict`'s dict (an ensemble's scores added beside)."""
     with open(path, "w") as f:
@@ -267,7 +263,7 @@ def dump_json(scores: dict[str, Any], path: str) -> None:
 
 
 def read_json(path: str) -> Skill:
-    """A Skill back from `write_json`'s file (to compare runs or re-plot)."""
+    """A Skill back from `dump_json`'s file (to compare runs or re-plot)."""
     with open(path) as f:
         data = json.load(f)
     names, regions = list(data["channels"]), data["regions"]

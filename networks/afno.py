@@ -41,9 +41,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from networks.blocks import MLP, PreNormBlock, WholeParameters, init_weights, run_blocks
+from networks.blocks import (
+    MLP,
+    PreNormBlock,
+    WholeParameters,
+    config_keys,
+    init_weights,
+    run_blocks,
+    unpatchify,
+)
 from networks.kernels import patch_conv
-from networks.noise import NoiseEmbed, NoiseModulation, check_noise, noise_keys
+from networks.noise import NoiseEmbed, NoiseModulation, check_noise
 from networks.spectral import Modes, RealFFT2, kept_modes
 from utils.config_schema import Config
 
@@ -185,8 +193,7 @@ class AFNONet(nn.Module):
         cond = None if noise is None else self.noise_embed(noise.permute(0, 2, 3, 1))
         x = run_blocks(self.blocks, x, self.recompute_blocks, cond)
         x = self.head(x if self.norm is None else self.norm(x))  # (B, h, w, p*p*C_out)
-        x = x.view(x.shape[0], h, w, p, p, self.out_chans)
-        return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], self.out_chans, h * p, w * p)
+        return unpatchify(x, self.tile, p, self.out_chans)
 
 
 # ------------------------------------------------------------------ closed-form counts
@@ -256,19 +263,10 @@ def afno_from_params(cfg: Config, layers: Any = None) -> AFNONet:
     spatial layout passes `distributed.spatial.SpatialLayers()` when the grid is split
     over h x w ranks."""
     return AFNONet(
-        img_size=tuple(cfg.img_size),
-        patch_size=cfg.patch_size,
-        in_chans=cfg.n_in_channels,
-        out_chans=cfg.n_out_channels,
-        embed_dim=cfg.embed_dim,
-        depth=cfg.depth,
         num_blocks=cfg.num_blocks,
-        mlp_ratio=cfg.mlp_ratio,
         sparsity_threshold=cfg.sparsity_threshold,
         hard_thresholding_fraction=cfg.hard_thresholding_fraction,
-        layers=layers,
-        seed=cfg.seed,
-        activation_checkpointing=cfg.activation_checkpointing,
         variant=cfg.afno_variant,
-        **noise_keys(cfg),
+        layers=layers,
+        **config_keys(cfg),
     )

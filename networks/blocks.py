@@ -27,7 +27,25 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from networks.noise import modulate
+from networks.noise import modulate, noise_keys
+from utils.config_schema import Config
+
+
+def config_keys(cfg: Config) -> dict[str, Any]:
+    """What both networks take from a config, under their constructors' names; each
+    network's `*_from_params` adds its own keys."""
+    return {
+        "img_size": tuple(cfg.img_size),
+        "patch_size": cfg.patch_size,
+        "in_chans": cfg.n_in_channels,
+        "out_chans": cfg.n_out_channels,
+        "embed_dim": cfg.embed_dim,
+        "depth": cfg.depth,
+        "mlp_ratio": cfg.mlp_ratio,
+        "seed": cfg.seed,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        **noise_keys(cfg),
+    }
 
 
 class MLP(nn.Module):
@@ -60,6 +78,15 @@ class PreNormBlock(nn.Module):
         scale1, shift1, scale2, shift2 = (None,) * 4 if cond is None else self.noise_mod(cond)
         x = x + self.mix(modulate(self.norm1(x), scale1, shift1))
         return x + self.mlp(modulate(self.norm2(x), scale2, shift2))
+
+
+def unpatchify(x: torch.Tensor, grid: tuple[int, int], patch_size: int, out_chans: int
+               ) -> torch.Tensor:
+    """The head's output on an (h, w) token grid, (B, h w, p p C) or (B, h, w, p p C), back to
+    pixels (B, C, h p, w p): each token becomes its p x p patch of every channel."""
+    (h, w), p, C = grid, patch_size, out_chans
+    x = x.reshape(x.shape[0], h, w, p, p, C)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], C, h * p, w * p)
 
 
 def run_blocks(blocks: Iterable[nn.Module], x: torch.Tensor, recompute: bool,

@@ -15,9 +15,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from networks.blocks import MLP, PreNormBlock, WholeParameters, init_weights, run_blocks
+from networks.blocks import (
+    MLP,
+    PreNormBlock,
+    WholeParameters,
+    config_keys,
+    init_weights,
+    run_blocks,
+    unpatchify,
+)
 from networks.kernels import attention, patch_conv
-from networks.noise import NoiseEmbed, NoiseModulation, check_noise, noise_keys
+from networks.noise import NoiseEmbed, NoiseModulation, check_noise
 from utils.config_schema import Config
 
 
@@ -165,16 +173,11 @@ class VisionTransformer(nn.Module):
         x = run_blocks(self.blocks, x, self.recompute_blocks, self.condition(noise))
         return self.layer_factory.gather_tokens(self.norm(x))
 
-    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, C*p*p) -> (B, C, H, W)."""
-        B, p, C = x.shape[0], self.patch_size, self.out_chans
-        x = x.view(B, self.h, self.w, p, p, C)
-        return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, self.h * p, self.w * p)
-
     def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """(B, C, H, W) -> the forecast (B, C, H, W); an ensemble member's `noise`:
         (B, noise_channels, h, w) on the token grid."""
-        return self.unpatchify(self.head(self.forward_tokens(x, noise)))
+        x = self.head(self.forward_tokens(x, noise))  # (B, N, p*p*C_out)
+        return unpatchify(x, (self.h, self.w), self.patch_size, self.out_chans)
 
 
 def count_parameters(embed_dim: int, depth: int, patch_size: int, in_chans: int,
@@ -210,18 +213,5 @@ def vit_from_params(cfg: Config, layers: Any = None) -> VisionTransformer:
     """Build the model from a config. `layers`: the layer factory, serial by default; a
     tensor/context-parallel layout passes `distributed.layers.DistributedLayers()`."""
     return VisionTransformer(
-        img_size=tuple(cfg.img_size),
-        patch_size=cfg.patch_size,
-        in_chans=cfg.n_in_channels,
-        out_chans=cfg.n_out_channels,
-        embed_dim=cfg.embed_dim,
-        depth=cfg.depth,
-        num_heads=cfg.num_heads,
-        mlp_ratio=cfg.mlp_ratio,
-        dropout=cfg.dropout,
-        layers=layers,
-        seed=cfg.seed,
-        activation_checkpointing=cfg.activation_checkpointing,
-        **noise_keys(cfg),
-    )
+        num_heads=cfg.num_heads, dropout=cfg.dropout, layers=layers, **config_keys(cfg))
 

@@ -25,13 +25,14 @@ from evaluation.forecast_skill import (
     crossing_lead,
     crossings,
     describe_crossings,
+    dump_json,
     forecast_sums,
     format_table,
     read_json,
     skill_from_sums,
+    skill_to_dict,
     table_leads,
     write_csv,
-    write_json,
 )
 from evaluation.regions import region_weights
 from networks.rollout import rollout
@@ -248,7 +249,7 @@ def test_csv_and_json_hold_every_region_channel_and_lead(rollout_data, tmp_path)
     np.testing.assert_allclose([float(s) for s in scores], expected, rtol=1e-8)
     assert rows[1].split(",")[:4] == ["global", "u10", "10m_u_component_of_wind", ""]
 
-    write_json(skill, tmp_path / "skill.json", {"config": "test"})
+    dump_json(skill_to_dict(skill, {"config": "test"}), tmp_path / "skill.json")
     data = json.loads((tmp_path / "skill.json").read_text())
     assert data["regions"] == REGIONS and data["channels"]["t2m"]["variable"] == "2m_temperature"
     assert data["channels"]["z500"]["level"] == 500

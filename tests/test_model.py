@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from networks import build_model, training_flops
+from networks.blocks import unpatchify
 from networks.vit import (
     VisionTransformer,
     count_parameters,
@@ -52,11 +53,12 @@ def test_out_chans_sets_the_output_channels():
 def test_unpatchify_inverts_the_patch_layout():
     """Head output laid out as (patch row, patch col, pixel row, pixel col, channel) lands
     on the right pixel: token (i, j), pixel (a, b), channel c -> image (c, i*p+a, j*p+b)."""
-    model = VisionTransformer((8, 12), 4, 2, 2, embed_dim=8, depth=1, num_heads=2)
     p, C, h, w = 4, 2, 2, 3
     img = torch.arange(C * 8 * 12, dtype=torch.float32).view(1, C, 8, 12)
     tokens = img.view(1, C, h, p, w, p).permute(0, 2, 4, 3, 5, 1).reshape(1, h * w, p * p * C)
-    assert torch.equal(model.unpatchify(tokens), img)
+    assert torch.equal(unpatchify(tokens, (h, w), p, C), img)
+    # the AFNO's head keeps the token grid: (B, h, w, p p C)
+    assert torch.equal(unpatchify(tokens.view(1, h, w, -1), (h, w), p, C), img)
 
 
 @pytest.mark.parametrize("img, patch, embed, heads, depth", SHAPES)

@@ -167,14 +167,14 @@ def _cut(layout: Layout, name: str, full: torch.Tensor, param: torch.Tensor, whe
 
 
 @torch.no_grad()
-def load_model_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor], layout: Layout,
-                       where: str, keep_noise_layers: bool = False) -> None:
-    """Copy a checkpoint's full (serial) model tensors into `model`, each cut to this
+def load_model_weights(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
+                       layout: Layout, where: str, keep_noise_layers: bool = False) -> None:
+    """Copy a checkpoint's full (serial) model tensors into the model's `params` (by name,
+    as the unwrapped module's named_parameters gives them), each cut to this
     rank's part by the layout: resume, fine-tuning and evaluation all load weights here.
     Collective when the layout shards parameters. A missing or extra tensor, or one that
     does not fit, is a one-line CheckpointError. `keep_noise_layers`: a deterministic
     checkpoint into an ensemble; its noise layers keep their initial values."""
-    params = dict(unwrap(model).named_parameters())
     if keep_noise_layers:
         params = {n: p for n, p in params.items() if not is_noise_parameter(n)}
     missing = [n for n in params if n not in saved]
@@ -278,9 +278,9 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                  layout: Layout):
         self.exp_dir, self.cfg, self.layout = exp_dir, cfg, layout
-        self.model, self.optimizer, self.scheduler, self.scaler = (model, optimizer,
-                                                                   scheduler, scaler)
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.keep = cfg.checkpoint_keep
+        # this rank's parameters by name, of the module inside DDP and torch.compile
         self.params = dict(unwrap(model).named_parameters())
         self.names = list(self.params)
         self.last_saved: str | None = None  # what a failure message points the user to
@@ -306,7 +306,7 @@ class Checkpointer:
         error = None
         if comm.get_world_rank() == 0:
             directory = checkpoint_dir(self.exp_dir)
-            each = 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+            each = 3 * sum(p.numel() * p.element_size() for p in self.params.values())
             files = max(self.keep + 1 - len(list_checkpoints(self.exp_dir)), 1)
             free = free_bytes(directory)
             if free < files * each:
@@ -320,7 +320,7 @@ class Checkpointer:
             raise CheckpointError(error, every_rank=True)
 
     def _device(self) -> torch.device:
-        return next(unwrap(self.model).parameters()).device
+        return next(iter(self.params.values())).device
 
     def save(self, progress: Progress) -> str | None:
         """Write ckpt_<iters>.pt (collective): the model, optimizer, schedule, scaler and
@@ -328,10 +328,9 @@ class Checkpointer:
         average)."""
         iters, epoch, epoch_step = progress.iters, progress.epoch, progress.epoch_step
         loss_sum, step_count = progress.loss_sum, progress.step_count
-        module = unwrap(self.model)
         device = self._device()
         # Never replace a good checkpoint by a broken one: every rank checks its own shard.
-        bad = next((n for n, p in module.named_parameters()
+        bad = next((n for n, p in self.params.items()
                     if not bool(torch.isfinite(fsdp.local(p.detach())).all())), None)
         if comm.any_rank(bad is not None, device):
             comm.settle()  # every rank raises now and exits
@@ -339,7 +338,7 @@ class Checkpointer:
                 f"parameters are NaN/inf at iteration {iters}"
                 f"{f' ({bad})' if bad else ''}: not saved; the last checkpoint "
                 f"{self.last_saved or '(none)'} is kept (lower the lr, or use bf16)")
-        model_sd = {n: self.to_full(n, p.detach()).cpu() for n, p in module.named_parameters()}
+        model_sd = {n: self.to_full(n, p.detach()).cpu() for n, p in self.params.items()}
         opt = optimizer_state_by_name(self.optimizer, self.names, self.to_full)
         loss = (loss_sum if loss_sum is not None else torch.zeros(())).detach().float().cpu()
         per_rank = [{"rng": rng_state(), "loss_sum": loss, "step_count": int(step_count)}]
@@ -382,7 +381,7 @@ class Checkpointer:
         with this rank's epoch loss sum."""
         ckpt = read_checkpoint(path, self.cfg)
         check_ensemble(ckpt, self.cfg, path, fine_tune=False)
-        load_model_weights(self.model, ckpt["model"], self.layout, path)
+        load_model_weights(self.params, ckpt["model"], self.layout, path)
         load_optimizer_state(self.optimizer, ckpt["optimizer"], self.names, self.to_local,
                              path)
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -411,8 +410,8 @@ def load_weights(path: str, cfg: Config, model: torch.nn.Module, layout: Layout)
     CheckpointError."""
     ckpt = read_checkpoint(path, cfg)  # also checks the model keys against the config
     new_noise = check_ensemble(ckpt, cfg, path, fine_tune=True)
-    load_model_weights(model, ckpt["model"], layout, f"init_from {path}",
-                       keep_noise_layers=new_noise)
+    load_model_weights(dict(unwrap(model).named_parameters()), ckpt["model"], layout,
+                       f"init_from {path}", keep_noise_layers=new_noise)
     log.info(f"Fine-tuning: weights from {path} (iteration {ckpt['iters']}); "
              "starting at iteration 0 with a fresh optimizer and schedule")
     if new_noise:

@@ -157,6 +157,19 @@ def log_config(cfg: Config) -> None:
     log.info("---------------------------------------------------")
 
 
+def log_header(cfg: Config, layout: Layout, run_dir: str, why: str, local: int,
+               global_: int) -> None:
+    """The run's first lines: where it writes, on what, how it is split, its config."""
+    log.info(f"Run directory {run_dir} ({why})")
+    log.info(describe_device(layout.device))
+    if layout.device.type == "cpu":
+        log.info(describe_wait_policy())  # chosen before torch loaded (utils/openmp.py)
+    log.info(f"world size {comm.get_world_size()} ({layout.env.launcher} launcher), "
+             f"global batch {global_}, local batch {local}")
+    log_config(cfg)
+    log.info(layout.describe())
+
+
 def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
     """The allocator setting (utils/allocator.py), seeds, batch sizes, the run directory and
     the precision: the run's context. `announce`: set up the log (rank 0: stdout and
@@ -165,20 +178,10 @@ def start_run(cfg: Config, layout: Layout, announce: bool = True) -> RunContext:
     keep_freed_memory()  # no page faults on every step's fresh activations
     local, global_ = batch_sizes(cfg, comm.get_size("dp"))
     seed_everything(cfg.seed)
-    if not announce:
-        run_dir, why = choose_run_dir(cfg, layout.device, log_file=False)
-        precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
-        return RunContext(precision, local, global_, run_dir, why)
-    rank, world = comm.get_world_rank(), comm.get_world_size()
-    config_logger(rank)
-    run_dir, why = choose_run_dir(cfg, layout.device)
-    log.info(f"Run directory {run_dir} ({why})")
-    log.info(describe_device(layout.device))
-    if layout.device.type == "cpu":
-        log.info(describe_wait_policy())  # chosen before torch loaded (utils/openmp.py)
-    log.info(f"world size {world} ({layout.env.launcher} launcher), "
-             f"global batch {global_}, local batch {local}")
-    log_config(cfg)
-    log.info(layout.describe())
+    if announce:
+        config_logger(comm.get_world_rank())
+    run_dir, why = choose_run_dir(cfg, layout.device, log_file=announce)
+    if announce:
+        log_header(cfg, layout, run_dir, why, local, global_)
     precision = choose_precision(cfg.amp_mode, layout.device, config=cfg.config)
     return RunContext(precision, local, global_, run_dir, why)

@@ -106,5 +106,5 @@ def load_model(cfg: Config, ckpt: dict[str, Any], path: str, layout: Layout) -> 
     """The model of this layout with the checkpoint's full tensors, each cut to this rank's
     part (as a resumed training run does)."""
     model = networks.build_model(cfg, layers=layout.layers).to(layout.device)
-    load_model_weights(model, ckpt["model"], layout, path)
+    load_model_weights(dict(model.named_parameters()), ckpt["model"], layout, path)
     return model.eval()
