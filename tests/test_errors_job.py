@@ -1,7 +1,7 @@
 """A bad input in a 2-rank torchrun job: exactly one `error:` line, from the rank that failed
 first, no traceback from the workers (only torchrun's own summary, which ends with
 ChildFailedError), and torchrun's summary names that rank, with exit code 2, as the root
-cause. torchrun itself exits 1 whenever a worker fails (README, "When things go wrong").
+cause. torchrun itself exits 1 whenever a worker fails (docs/troubleshooting.md, "Exit codes").
 
   - every rank fails alike before the process group exists (a bad config value, a bad
     flag): rank 0 prints;

@@ -1,12 +1,13 @@
-"""The README's CPU `sbatch` block, pasted as it is into a real two-node SLURM cluster.
+"""The CPU `sbatch` block of docs/slurm.md, pasted as it is into a real two-node SLURM cluster.
 
-The block ("On a CPU cluster: every tutorial step as an `sbatch` line") is read from README.md
-and run by bash, line by line, from a copy of the repository, on a private cluster
-(tests/slurm_cluster.py) whose node names (node1, node2) are not host names, with only the
-variables the README tells a user about: the generic preset, DATA_DIR (a small synthetic data
-set at the CPU configs' grid) and LOG_DIR. Every job must complete with exit 0 and show what
-its step is about; the preemption job gets its USR1 now instead of 120 s before a 10-minute
-limit, as the README's comment says a user can do.
+The block (every tutorial step as one `sbatch` line, under "On a CPU cluster"; the README
+gives its first lines and links it) is read from docs/slurm.md and run by bash, line by line,
+from a copy of the repository, on a private cluster (tests/slurm_cluster.py) whose node names
+(node1, node2) are not host names, with only the variables the page tells a user about: the
+generic preset, DATA_DIR (a small synthetic data set at the CPU configs' grid) and LOG_DIR.
+Every job must complete with exit 0 and show what its step is about; the preemption job gets
+its USR1 now instead of 120 s before a 10-minute limit, as the block's comment says a user
+can do.
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ from helpers import (
     start_slurm_cluster,
 )
 
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "slurm.md"
 MARKER = "<!-- cpu-sbatch-lines"
 BASH = shutil.which("bash") or "/bin/bash"
 ALL_JOBS_TIMEOUT = 1500  # s for the whole block (measured 9 min with 2 cores at load ~20)
 
 
-def readme_block() -> str:
+def cpu_block() -> str:
     """The fenced bash block right after the marker comment."""
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index(MARKER)
     match = re.compile(r"```bash\n(.*?)```", re.S).search(text, start)
-    assert match, f"no ```bash block after {MARKER!r} in README.md"
+    assert match, f"no ```bash block after {MARKER!r} in {PAGE.name}"
     return match.group(1)
 
 
@@ -45,10 +46,10 @@ def sbatch_lines(block: str) -> list[str]:
             if "sbatch " in line and not line.lstrip().startswith("#")]
 
 
-def test_every_readme_cpu_sbatch_line_states_its_layout_and_stays_short():
+def test_every_cpu_sbatch_line_states_its_layout_and_stays_short():
     """What the issue asks of the lines themselves: explicit nodes and tasks per node, a short
     iteration count for training, one line per tutorial step and the preemption options."""
-    lines = sbatch_lines(readme_block())
+    lines = sbatch_lines(cpu_block())
     assert len(lines) >= 13, lines
     for line in lines:
         assert re.search(r" -N \d+ --ntasks-per-node=\d+ ", line), line
@@ -57,7 +58,7 @@ def test_every_readme_cpu_sbatch_line_states_its_layout_and_stays_short():
     for needle in ("--tp=2", "--cp=2", "ENABLE_CUDA_GRAPHS=1", "-N 2 ", "--h_parallel_size=2",
                    "--signal=USR1@", "--requeue", "ENABLE_PROFILING=1", "dali",
                    "inference.py"):
-        assert needle in text, f"no README CPU sbatch line with {needle}"
+        assert needle in text, f"no CPU sbatch line in {PAGE.name} with {needle}"
 
 
 # --------------------------------------------------------------------------- on a cluster
@@ -98,7 +99,7 @@ def _submitted(jobs_file: Path) -> list[int]:
 
 
 def _checks(line: str, out: str, logs: Path) -> None:
-    """What the output of the job of one README line must show."""
+    """What the output of the job of one line of the block must show."""
     iters = re.search(r"--num_iters (\d+)", line)
     if iters:
         assert f"Finished {iters.group(1)} iterations" in out, out[-3000:]
@@ -118,9 +119,9 @@ def _checks(line: str, out: str, logs: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slurm
-def test_readme_cpu_sbatch_block_runs_on_two_nodes_whose_names_do_not_resolve(
+def test_cpu_sbatch_block_runs_on_two_nodes_whose_names_do_not_resolve(
         cpu_data: Path, tmp_path: Path) -> None:
-    block = readme_block()
+    block = cpu_block()
     lines = sbatch_lines(block)
     repo = _repo_copy(tmp_path / "repo")
     logs, jobs_file = tmp_path / "logs", tmp_path / "jobs.txt"
