@@ -1,10 +1,10 @@
-"""Bad data named precisely: statistics that cannot normalise, fields that are not float32,
-samples that cannot be read, and the sample behind a NaN/inf training loss.
+"""Bad data named precisely: fields that are not float32, samples that cannot be read, and
+the sample behind a NaN/inf training loss (statistics that cannot normalise are named where
+they are read, data/statistics.py).
 
 Used by data/loader.py (and so by the DALI loader, which reads through the same
-dataset) and by the run guard. Everything here costs nothing while the data are good: the
-statistics are checked once when loaded, and a batch is read again only after its loss
-went NaN/inf.
+dataset) and by the run guard. Everything here costs nothing while the data are good: a
+batch is read again only after its loss went NaN/inf.
 """
 
 from __future__ import annotations
@@ -17,47 +17,11 @@ from typing import Any
 import h5py
 import numpy as np
 
-from data.era5_names import CHANNEL_NAMES
+from data.era5_names import channel_label
+from data.statistics import first_bad, nan_or_inf
 from utils.errors import DataError
 
 log = logging.getLogger(__name__)
-
-
-def channel_label(c: int) -> str:
-    """`channel 3 (sp)`: the ERA5 layout's channel names, in the data contract's order."""
-    return f"channel {c} ({CHANNEL_NAMES[c]})" if c < len(CHANNEL_NAMES) else f"channel {c}"
-
-
-def _first_bad(bad: np.ndarray) -> tuple[int, int]:
-    """(first channel with a True in `bad` (C, ...), how many there)."""
-    per_channel = bad.reshape(bad.shape[0], -1).sum(axis=1)
-    c = int(np.flatnonzero(per_channel)[0])
-    return c, int(per_channel[c])
-
-
-def _what(values: np.ndarray) -> str:
-    return "NaN" if np.isnan(values).any() else "inf"
-
-
-# ----------------------------------------------------------------------------- statistics
-
-def check_stats(stats: np.ndarray, path: str, name: str, positive: bool = False) -> np.ndarray:
-    """`stats` (1, C, ...) as float32 if every value is finite there (and > 0 with
-    `positive`); otherwise a DataError naming the file and the first bad channel."""
-    with np.errstate(over="ignore"):  # a float64 beyond float32's range: inf, caught below
-        stats = stats.astype(np.float32)
-    values = stats[0]
-    bad = ~np.isfinite(values)
-    if bad.any():
-        c, n = _first_bad(bad)
-        raise DataError(f"{name} {path}: {channel_label(c)} has {n} {_what(values[c])} "
-                        "value(s); every statistic must be finite")
-    if positive and (values <= 0).any():
-        c, n = _first_bad(values <= 0)
-        raise DataError(f"{name} {path}: {channel_label(c)} is {float(values[c].min()):g}; "
-                        "a standard deviation must be > 0 (a constant channel cannot be "
-                        "normalised)")
-    return stats
 
 
 # ----------------------------------------------------------------------------- reading
@@ -140,13 +104,14 @@ class BatchScan:
                 where = f"{ds.files[file_idx]}: sample {row} of 'fields'"
                 bad = ~np.isfinite(raw)
                 if bad.any():
-                    c, n = _first_bad(bad)
-                    return f"{where}, {channel_label(c)}, has {n} {_what(raw[c])} value(s)", None
+                    c, n = first_bad(bad)
+                    return (f"{where}, {channel_label(c)}, has {n} {nan_or_inf(raw[c])} "
+                            "value(s)"), None
                 with np.errstate(over="ignore"):
                     normalised = (raw - ds.means) / ds.stds
                 bad = ~np.isfinite(normalised)
                 if bad.any():
-                    c, n = _first_bad(bad)
+                    c, n = first_bad(bad)
                     return (f"{where}, {channel_label(c)}, has {n} value(s) too large for "
                             "float32 once normalised"), None
                 largest = max(largest, float(np.abs(normalised).max()))

@@ -52,6 +52,7 @@ class ERA5Dataset(Dataset):
 
     def __init__(self, cfg: Config, location: str, train: bool, tile: Tile | None = None):
         self.location = location
+        self.files = list_year_files(location)
         self.train = train
         self.dt = cfg.dt
         self.steps = cfg.rollout_steps if train else 1
@@ -60,14 +61,21 @@ class ERA5Dataset(Dataset):
         self.tile = tile or Tile.whole(self.img_size)
         if self.tile.grid != self.img_size:
             raise ValueError(f"tile of a {self.tile.grid} grid, img_size is {self.img_size}")
-        self.files = list_year_files(location)
-        self.samples_per_file = []
+        # stats/ is read whole first (the normalisation, then the grid every year file must
+        # agree with), the year files after it.
+        means = load_stats(cfg.global_means_path, self.n_channels, "global means")
+        stds = load_stds(cfg.global_stds_path, self.n_channels)
+        if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
+            raise DataError(f"global means/stds must be (1, {self.n_channels}, 1, 1), got "
+                            f"{means.shape} and {stds.shape}")
+        self.means, self.stds = means[0], stds[0]  # (C, 1, 1)
         self.stats_grid = stats_grid(cfg)
+        self.samples_per_file = []
         grids: list[Grid] = []
         for path in self.files:
             self.samples_per_file.append(self._check_file(path, grids))
-        check_dtypes(self.files)
         self.grid = crop_to(grids[0], self.img_size, location)
+        check_dtypes(self.files)
         self.offsets = np.cumsum([0] + self.samples_per_file)
         self.n_samples = int(self.offsets[-1])
         limit = cfg.limit_nsamples if train else cfg.limit_nsamples_val
@@ -75,12 +83,6 @@ class ERA5Dataset(Dataset):
             self.n_samples = min(self.n_samples, int(limit))
         if self.n_samples <= 0:
             raise DataError(f"{location} has no (t, t+{self.dt * self.steps}) sample pairs")
-        means = load_stats(cfg.global_means_path, self.n_channels, "global means")
-        stds = load_stds(cfg.global_stds_path, self.n_channels)
-        if means.shape[2:] != (1, 1) or stds.shape[2:] != (1, 1):
-            raise DataError(f"global means/stds must be (1, {self.n_channels}, 1, 1), got "
-                            f"{means.shape} and {stds.shape}")
-        self.means, self.stds = means[0], stds[0]  # (C, 1, 1)
         self._handles: list[FieldsReader | None] = [None] * len(self.files)
         self._pid = None
 

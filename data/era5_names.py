@@ -74,6 +74,11 @@ def channel(name: str) -> Channel | None:
     return _BY_NAME.get(name)
 
 
+def channel_label(c: int) -> str:
+    """`channel 3 (sp)`: the ERA5 layout's channel names, in the data contract's order."""
+    return f"channel {c} ({CHANNEL_NAMES[c]})" if c < len(CHANNEL_NAMES) else f"channel {c}"
+
+
 def units_of(name: str) -> str:
     """The units of a channel (or derived variable) in the prepared files; '' for a channel
     outside the table."""

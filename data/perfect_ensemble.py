@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from data.era5_names import CHANNEL_NAMES
-from data.synthetic import Planet, orography
+from data.planet import Planet, orography
 from utils.errors import DataError
 
 

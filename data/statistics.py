@@ -1,6 +1,7 @@
 """Statistics of the training years: written from partial sums that merge exactly, and
 read back checked (`load_stats`, `load_stds`, `stats_grid`, `score_grid`: the loaders
-normalise with them, the scores weight and compare with them).
+normalise with them, the scores weight and compare with them; `check_stats` names the file
+and the first channel of a value that is not finite, or of a standard deviation not > 0).
 
 Each year (each worker, each SLURM array task) accumulates its own `PartialSums` while it
 writes, batch by batch; the stats/ files are computed from the merge of all training years'
@@ -32,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.checks import check_stats
 from data.climatology import TERMS, basis, save_climatology, save_npz
-from data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED
+from data.era5_names import CHANNEL_NAMES, WIND_COMPONENTS, WIND_SPEED, channel_label
 from data.grid import Grid, crop_to, load_stats_grid, save_stats_grid
 from utils.config_schema import Config
 from utils.errors import DataError
@@ -189,6 +189,37 @@ def _read_npy(path: str, name: str, mmap_mode: str | None = None) -> np.ndarray:
     except (OSError, ValueError) as e:  # not an .npy file, truncated, a pickle
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{name} {path} is not a readable .npy file ({first})") from None
+
+
+def first_bad(bad: np.ndarray) -> tuple[int, int]:
+    """(first channel with a True in `bad` (C, ...), how many there)."""
+    per_channel = bad.reshape(bad.shape[0], -1).sum(axis=1)
+    c = int(np.flatnonzero(per_channel)[0])
+    return c, int(per_channel[c])
+
+
+def nan_or_inf(values: np.ndarray) -> str:
+    """'NaN' if `values` hold one, else 'inf' (of values known not all finite)."""
+    return "NaN" if np.isnan(values).any() else "inf"
+
+
+def check_stats(stats: np.ndarray, path: str, name: str, positive: bool = False) -> np.ndarray:
+    """`stats` (1, C, ...) as float32 if every value is finite there (and > 0 with
+    `positive`); otherwise a DataError naming the file and the first bad channel."""
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range: inf, caught below
+        stats = stats.astype(np.float32)
+    values = stats[0]
+    bad = ~np.isfinite(values)
+    if bad.any():
+        c, n = first_bad(bad)
+        raise DataError(f"{name} {path}: {channel_label(c)} has {n} {nan_or_inf(values[c])} "
+                        "value(s); every statistic must be finite")
+    if positive and (values <= 0).any():
+        c, n = first_bad(values <= 0)
+        raise DataError(f"{name} {path}: {channel_label(c)} is {float(values[c].min()):g}; "
+                        "a standard deviation must be > 0 (a constant channel cannot be "
+                        "normalised)")
+    return stats
 
 
 def load_stats(path: str, channels: int, name: str) -> np.ndarray:

@@ -1,7 +1,8 @@
-"""data/checks.py on real files: statistics that cannot normalise, fields of another
-type read as float32 identically by the PyTorch and DALI loaders, a damaged compressed
-chunk named by file and sample (also from a DataLoader worker process), and the scan that
-names the sample behind a NaN/inf loss. End-to-end runs of the same cases: test_errors.py.
+"""data/checks.py and data/statistics.py's checks on real files: statistics that cannot
+normalise, fields of another type read as float32 identically by the PyTorch and DALI
+loaders, a damaged compressed chunk named by file and sample (also from a DataLoader worker
+process), and the scan that names the sample behind a NaN/inf loss. End-to-end runs of the
+same cases: test_errors.py.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 import torch
 from bad_data import copy_data, damage_chunk, rewrite, set_value
 
-from data.checks import BatchScan, check_stats
+from data.checks import BatchScan
 from data.loader import get_data_loader, get_loader
-from data.statistics import load_stats, load_stds
+from data.statistics import check_stats, load_stats, load_stds
 from utils.errors import DataError, from_worker, message_of
 
 

@@ -39,8 +39,8 @@ import torch
 import xarray as xr
 from helpers import assert_one_error_line, lat_weights, one_line, run_script
 
-import data.synthetic as sd
 from data.grid import tutorial_grid
+from data.synthetic import generate
 from evaluation.ensemble_evaluation import EnsembleReport, EnsembleSums
 from evaluation.ensemble_scores import SCORES, ensemble_sums, rank_histogram_sums
 from evaluation.inference_flags import parse_flags
@@ -58,9 +58,9 @@ def forced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 x 32, 24 samples per year (1 + 1 + 1 years), forcing 100 m2/s2, 5-day spin-up."""
     out = tmp_path_factory.mktemp("forced")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sd, "_SPINUP_DAYS", 5.0)
-        sd.generate(out, img_size=(16, 32), samples_per_year=24, train_years=1, valid_years=1,
-                    test_years=1, forcing=100.0)
+        mp.setattr("data.planet._SPINUP_DAYS", 5.0)
+        generate(out, img_size=(16, 32), samples_per_year=24, train_years=1, valid_years=1,
+                 test_years=1, forcing=100.0)
     return out
 
 

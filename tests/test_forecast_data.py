@@ -14,8 +14,8 @@ from helpers import TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR
 
 import data.grid as grid_module
 from data.dataset import ERA5Dataset
+from data.era5_names import CHANNEL_NAMES
 from data.forecast import DEFAULT_INITIAL_CONDITIONS, RolloutData
-from data.synthetic import CHANNEL_NAMES
 from utils.errors import DataError
 
 

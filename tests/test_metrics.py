@@ -15,7 +15,7 @@ import torch
 from helpers import TINY_IMG_SIZE, lat_weights, weighted_rmse_channels
 
 from data.grid import Grid, crop_to, tutorial_grid
-from data.synthetic import grid_of
+from data.planet import grid_of
 from evaluation.regions import REGIONS, cell_areas, latitude_weights, region_weights
 from evaluation.scores import (
     weighted_acc_channels,

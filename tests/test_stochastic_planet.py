@@ -1,4 +1,4 @@
-"""The synthetic planet's stochastic forcing (data/synthetic.py, `--forcing`) and its
+"""The synthetic planet's stochastic forcing (data/planet.py, `--forcing`) and its
 perfect-model ensemble (data/perfect_ensemble.py): the same seed gives the same bytes, forcing
 0 is the deterministic planet, the kick has the z500 amplitude it is given, branched members
 start from the data's sample and spread out with lead, and against the data's own trajectory
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import data.synthetic as sd
 from data.era5_names import CHANNEL_NAMES
 from data.perfect_ensemble import perfect_ensemble, planet_at
-from data.synthetic import generate, grid_of
+from data.planet import Planet, grid_of, orography
+from data.synthetic import generate
 from evaluation.ensemble_scores import ensemble_sums
 from evaluation.regions import region_weights
 from utils.errors import DataError
@@ -33,7 +33,7 @@ def forced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 x 32, 16 samples per year (1 + 1 + 1 years), forcing 100 m2/s2, 5-day spin-up."""
     out = tmp_path_factory.mktemp("forced")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sd, "_SPINUP_DAYS", 5.0)
+        mp.setattr("data.planet._SPINUP_DAYS", 5.0)
         generate(out, img_size=(16, 32), samples_per_year=16, train_years=1, valid_years=1,
                  test_years=1, forcing=100.0)
     return out
@@ -46,7 +46,7 @@ def _fields(path: Path) -> np.ndarray:
 
 def test_forcing_is_deterministic_per_seed_and_forcing_0_is_the_deterministic_planet(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sd, "_SPINUP_DAYS", 2.0)
+    monkeypatch.setattr("data.planet._SPINUP_DAYS", 2.0)
     kw = dict(img_size=(8, 16), samples_per_year=4)
     runs = {name: generate(tmp_path / name, **kw, **extra) for name, extra in (
         ("a", {"forcing": 50.0}), ("b", {"forcing": 50.0}), ("zero", {"forcing": 0.0}),
@@ -72,8 +72,8 @@ def test_forcing_is_deterministic_per_seed_and_forcing_0_is_the_deterministic_pl
 def test_the_kick_has_the_z500_amplitude_it_is_given() -> None:
     """z500 is linear in the streamfunction: the change a kick makes to it, over 40 draws of
     2,048 points each, has the root mean square asked for, within 5 %."""
-    planet = sd.Planet(32, 64, seed=0, samples_per_year=16, forcing=80.0)
-    land, orog = sd.orography((32, 64))
+    planet = Planet(32, 64, seed=0, samples_per_year=16, forcing=80.0)
+    land, orog = orography((32, 64))
     before = planet.diagnose((32, 64), land, orog)[Z500].astype(np.float64)
     squares = []
     for k in range(40):
@@ -100,7 +100,7 @@ def test_branched_members_start_from_the_sample_and_spread_out_with_lead(forced:
                               members[:2, :3])
     # The stored state with the data's own draws continues the file's trajectory, bitwise.
     planet, shape = planet_at(path, 2)
-    land, orog = sd.orography(shape)
+    land, orog = orography(shape)
     for k in (3, 4, 5):
         planet.advance()
         assert np.array_equal(planet.diagnose(shape, land, orog), data[k])

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY_IMG_SIZE, TINY_SAMPLES_PER_YEAR, child_env
 
-import data.synthetic as sd
-from data.synthetic import CHANNEL_NAMES, generate
+from data.era5_names import CHANNEL_NAMES
+from data.planet import Planet
+from data.synthetic import generate
 
 YEAR = TINY_SAMPLES_PER_YEAR  # samples in one file: one continuous trajectory
 
@@ -113,7 +114,7 @@ def test_linear_predictor_is_not_enough(tiny_data):
 
 def test_nearby_states_diverge():
     """Chaos: a tiny perturbation of a turbulent state grows by a large factor in 16 days."""
-    planet = sd.Planet(32, 64, seed=0, samples_per_year=64)
+    planet = Planet(32, 64, seed=0, samples_per_year=64)
     for _ in range(120):
         planet.advance()
     twin = copy.deepcopy(planet)
@@ -131,7 +132,7 @@ def test_nearby_states_diverge():
 
 
 def test_deterministic_and_seed_dependent(tmp_path, monkeypatch):
-    monkeypatch.setattr(sd, "_SPINUP_DAYS", 2.0)  # bytes, not physics, are under test here
+    monkeypatch.setattr("data.planet._SPINUP_DAYS", 2.0)  # bytes, not physics, are under test here
     kw = dict(img_size=(8, 16), samples_per_year=4)
     runs = [generate(tmp_path / name, seed=s, **kw) for name, s in (("a", 0), ("b", 0), ("c", 1))]
     files = [Path(f).relative_to(tmp_path / "a") for f in runs[0]["files"]]
@@ -144,7 +145,7 @@ def test_deterministic_and_seed_dependent(tmp_path, monkeypatch):
 
 
 def test_idempotent_and_force(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sd, "_SPINUP_DAYS", 1.0)
+    monkeypatch.setattr("data.planet._SPINUP_DAYS", 1.0)
     kw = dict(img_size=(8, 16), samples_per_year=2)
     generate(tmp_path, **kw)
     stamp = (tmp_path / "stats" / "time_means.npy").stat().st_mtime_ns
