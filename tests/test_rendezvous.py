@@ -12,6 +12,7 @@ tests/test_errors.py, tests/test_ddp.py under torchrun) and the SLURM jobs
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from distributed.rendezvous import (
     timeouts,
     what_to_set,
 )
+from training.script_exit import LINGER
 from utils.errors import LaunchError
 
 UNRESOLVABLE = "no-such-node.invalid"  # .invalid never resolves (RFC 2606)
@@ -89,11 +91,12 @@ class Rank:
     ended: float    # time.monotonic() at exit
 
 
-def _start(rank: int, world: int, addr: str, port: int) -> subprocess.Popen:
+def _start(rank: int, world: int, addr: str, port: int,
+           driver: str = DRIVER) -> subprocess.Popen:
     env = child_env({"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world,
                      "MASTER_ADDR": addr, "MASTER_PORT": port,
                      "DIST_CONNECT_TIMEOUT_SEC": CONNECT})
-    return subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -150,6 +153,28 @@ def test_an_unresolvable_master_addr_ends_rank_0_within_seconds_with_one_line():
     assert rank0.seconds < RESOLVE_TIMEOUT_SEC + SLACK
     _the_one_line(rank1, "error: rank 1: ", f"MASTER_ADDR={UNRESOLVABLE}")
     assert rank1.ended > rank0.ended
+
+
+@pytest.mark.distributed
+@pytest.mark.e2e
+def test_a_silent_rank_the_launcher_stops_exits_2_at_once_and_quietly():
+    """What srun --kill-on-bad-exit does once rank 0 has reported: SIGTERM to the ranks
+    still running, SIGKILL KillWait seconds later. The silent rank must be gone before
+    that (exit 2, not 137: the job's exit code is the highest of its tasks'), so it does
+    not linger."""
+    # As the train scripts start: stop signals are caught from the first line on.
+    driver = "from training import signals\nsignals.stop_during_startup()\n" + DRIVER
+    proc = _start(1, 2, UNRESOLVABLE, free_port(), driver)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(3.0)  # the name fails to resolve in milliseconds; the rank is deferring
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - signalled
+    print(f"a silent rank stopped by SIGTERM exited {seconds:.2f} s later")
+    assert proc.returncode == 2 and err.strip() == "", (proc.returncode, err[-3000:])
+    assert seconds < LINGER
 
 
 @pytest.mark.distributed

@@ -24,7 +24,8 @@ mismatched collectives would hang or mix up their data.
     Before the process group exists the ranks have read the same config and flags, so an
     `every_rank` error is left to rank 0.
   - The silent ranks leave `LINGER` seconds after the one that printed: launchers report the
-    first process to exit as the root cause."""
+    first process to exit as the root cause. A rank the launcher is already stopping
+    leaves at once."""
 
 from __future__ import annotations
 
@@ -205,8 +206,12 @@ def report(error: UserError) -> bool:
 
 def linger(seconds: float = LINGER) -> None:
     """A rank that stays quiet leaves after the one that printed: launchers name the first
-    process to exit as the failure's root cause (torchrun's summary, srun's message)."""
-    time.sleep(seconds)
+    process to exit as the failure's root cause (torchrun's summary, srun's message). One
+    that a stop signal reached leaves at once: the launcher is already ending the job (that
+    first process has exited), and it kills what is still running a few seconds later
+    (SLURM's KillWait), which would turn the job's exit code 2 into 137."""
+    if signals.received() is None:
+        time.sleep(seconds)
 
 
 def reported_by_another_rank() -> bool:
