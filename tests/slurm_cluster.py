@@ -37,6 +37,8 @@ FINAL_STATES = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
     "PREEMPTED", "BOOT_FAIL", "DEADLINE",
 })
+# Seconds between the SIGTERM that ends a job's tasks and the SIGKILL that follows.
+KILL_WAIT = 5
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FIELD = re.compile(r"([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?= [A-Za-z][A-Za-z0-9_:/]*=|$)")
 
@@ -273,7 +275,7 @@ class SlurmCluster:
             "SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=5",
             "ReturnToService=2",
             "MinJobAge=600",
-            "KillWait=5",
+            f"KillWait={KILL_WAIT}",
             "SlurmdDebug=info",
             "SlurmctldDebug=info",
         ]
