@@ -55,8 +55,9 @@ tutorial: venv data
 	$(PY) -m tools.tutorial_walk $(if $(CPU_CLASS),--cpu_class $(CPU_CLASS))
 
 # Everything (what CI runs): unit, distributed, e2e and SLURM; tests/gpu skips without CUDA.
+# The 25 slowest tests are listed at the end: where the suite's time goes, run by run.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: venv
 	$(PY) -m pytest -q -m "$(UNIT)" tests
