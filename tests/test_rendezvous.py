@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -162,6 +163,14 @@ def test_a_quiet_rank_that_a_stop_signal_reached_does_not_linger(monkeypatch):
     started = time.monotonic()
     linger()
     assert time.monotonic() - started < LINGER / 10
+
+
+def test_a_stop_signal_while_a_quiet_rank_lingers_ends_the_wait(monkeypatch):
+    monkeypatch.setattr(signals, "_received", None)  # restored after the test
+    threading.Timer(0.2, signals._record, (signal.SIGTERM, None)).start()
+    started = time.monotonic()
+    linger()
+    assert time.monotonic() - started < LINGER / 2
 
 
 @pytest.mark.distributed

@@ -186,12 +186,18 @@ def _outwaited(error: UserError) -> bool:
     meanwhile (the launcher ends the job because rank 0 has reported the failure)."""
     if error.defer <= 0 or _rank_and_world()[0] == 0:
         return False
-    deadline = time.monotonic() + error.defer
-    while time.monotonic() < deadline:
-        if signals.received() is not None:
-            return True
+    return _stopped_within(error.defer)
+
+
+def _stopped_within(seconds: float) -> bool:
+    """Wait up to `seconds`, or until a stop signal comes (True). Polled: a plain sleep would
+    resume after the signal's handler and wait the whole time anyway."""
+    deadline = time.monotonic() + seconds
+    while signals.received() is None:
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 def report(error: UserError) -> bool:
@@ -207,11 +213,10 @@ def report(error: UserError) -> bool:
 def linger(seconds: float = LINGER) -> None:
     """A rank that stays quiet leaves after the one that printed: launchers name the first
     process to exit as the failure's root cause (torchrun's summary, srun's message). One
-    that a stop signal reached leaves at once: the launcher is already ending the job (that
-    first process has exited), and it kills what is still running a few seconds later
-    (SLURM's KillWait), which would turn the job's exit code 2 into 137."""
-    if signals.received() is None:
-        time.sleep(seconds)
+    that a stop signal reaches, before or while it waits, leaves at once: the launcher is
+    already ending the job (that first process has exited), and it kills what is still
+    running a few seconds later (SLURM's KillWait), which would turn exit code 2 into 137."""
+    _stopped_within(seconds)
 
 
 def reported_by_another_rank() -> bool:
